@@ -1,0 +1,290 @@
+"""Typed configuration: dataclasses built from plain dicts, YAML and dotted ``key=value`` overrides.
+
+Every config section is a ``@dataclass(kw_only=True, slots=True)`` whose fields carry a ``help``
+string in their metadata. Values are checked against the field's type annotation (``Literal``
+choices included) and every error names the full dotted key, so ``precision.dtype=fp8`` fails with
+``precision.dtype: must be one of 'fp32', 'bf16', 'fp16'; got 'fp8'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+__all__ = [
+    "ConfigError",
+    "opt",
+    "from_dict",
+    "to_dict",
+    "apply_overrides",
+    "parse_override",
+    "read_yaml",
+    "field_help",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or invalid. ``key`` is the full dotted key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.reason = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix.`` put in front of its key."""
+        if not prefix:
+            return self
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.reason)
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help string (mutable defaults are copied)."""
+    if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
+        import copy
+
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def field_help(cls: type, name: str) -> str:
+    """The help text of field ``name`` of config class ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("help", "")
+    raise KeyError(name)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert what is unambiguous."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as err:
+                errors.append(err.reason)
+        raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            scalar = getattr(tp, "from_scalar", None)
+            if scalar is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                try:
+                    return scalar(_convert(value, float, key))
+                except ConfigError:
+                    pass
+            raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"must be a list; got {value!r}")
+        (item,) = get_args(tp)[:1] or (Any,)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping; got {value!r}")
+        _, item = get_args(tp) or (str, Any)
+        return {str(k): _convert(v, item, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(key, f"must be true or false; got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(key, f"must be an integer; got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"must be an integer; got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(key, f"must be a number; got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, f"must be a number; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, f"must be a string; got {value!r}")
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")  # a bug in a config class
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Build config class ``cls`` from a plain dict; unknown keys and bad values raise ConfigError.
+
+    Fields of type ``dict[str, Section]`` merge the given entries over the default entries, so a
+    recipe that sets ``schedules.lr`` keeps the default ``schedules.weight_decay``.
+    """
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"must be a mapping; got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key)
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(full, f"unknown key{hint} Known keys here: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        if get_origin(tp) is dict and isinstance(value, dict):
+            f = fields[key]
+            if f.default_factory is not dataclasses.MISSING:
+                merged = to_dict(f.default_factory())
+                for k, v in value.items():
+                    if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                        merged[k] = {**merged[k], **v}
+                    else:
+                        merged[k] = v
+                value = merged
+        kwargs[key] = _convert(value, tp, full)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        full = f"{prefix}.{missing[0]}" if prefix else missing[0]
+        raise ConfigError(full, "is required")
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(prefix) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain-dict (YAML/JSON-safe) copy of a config object."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``a.b.c=value`` into its key and its YAML-parsed value."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like key=value (for example optim.name=sgd)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(text, "an override must look like key=value (for example optim.name=sgd)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot parse value {raw!r}: {err}") from None
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``key=value`` overrides to a nested plain dict (a copy is returned).
+
+    Key names are checked when the dict is turned into a config, so an unknown key is reported
+    with its full dotted name there.
+    """
+    import copy
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is a value ({child!r}), not a section; cannot set {key}")
+            node = child
+        leaf = parts[-1]
+        if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+            raise ConfigError(
+                key,
+                "is a section; set one of its keys, for example "
+                + f"{key}.{'value' if 'value' in node[leaf] else next(iter(node[leaf]), 'name')}=...",
+            )
+        node[leaf] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from ``path``; a missing file or a non-mapping is a ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(path), "no such recipe file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(str(path), f"is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "must hold a mapping of config sections")
+    return data

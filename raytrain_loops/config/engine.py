@@ -1,0 +1,211 @@
+"""Config sections of the per-worker engine: one small dataclass per concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from raytrain_loops.config.base import ConfigError, opt
+
+__all__ = [
+    "Schedule",
+    "OptimConfig",
+    "PrecisionConfig",
+    "AccumConfig",
+    "LossConfig",
+    "ClipConfig",
+    "FreezeConfig",
+    "EMAConfig",
+    "NonFiniteConfig",
+    "OOMConfig",
+    "LoggingConfig",
+    "default_schedules",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class Schedule:
+    """A value as a pure function of the global step. A bare number in YAML means a constant."""
+
+    kind: Literal["constant", "cosine", "linear", "step"] = opt("constant", "Shape after warm-up.")
+    value: float = opt(0.0, "Value at the end of warm-up (the peak for cosine/linear, the start for step).")
+    end: float = opt(0.0, "Value at the last step for cosine and linear.")
+    warmup_steps: int = opt(0, "Linear warm-up from warmup_start to value over this many steps.")
+    warmup_start: float = opt(0.0, "Value at step 0 when warmup_steps > 0.")
+    milestones: list[int] = opt([], "Steps at which kind=step multiplies the value by gamma.")
+    gamma: float = opt(0.1, "Factor applied at each milestone for kind=step.")
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", f"must be >= 0; got {self.warmup_steps}")
+        if self.kind == "step" and sorted(self.milestones) != list(self.milestones):
+            raise ConfigError("milestones", f"must be increasing; got {self.milestones}")
+        if any(m <= 0 for m in self.milestones):
+            raise ConfigError("milestones", f"must be positive steps; got {self.milestones}")
+
+    @classmethod
+    def from_scalar(cls, value: float) -> Schedule:
+        return cls(value=value)
+
+
+def default_schedules() -> dict[str, Schedule]:
+    """The reserved schedules; any other name is a named value handed to the criterion."""
+    return {
+        "lr": Schedule(value=1e-3),
+        "weight_decay": Schedule(value=0.0),
+        "ema_momentum": Schedule(value=0.999),
+    }
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Optimizer and parameter groups. Learning rate and weight decay come from ``schedules``."""
+
+    name: Literal["adamw", "adam", "sgd"] = opt("adamw", "Optimizer.")
+    betas: list[float] = opt([0.9, 0.999], "Adam(W) betas.")
+    eps: float = opt(1e-8, "Adam(W) epsilon.")
+    momentum: float = opt(0.9, "SGD momentum.")
+    nesterov: bool = opt(False, "SGD Nesterov momentum.")
+    param_groups: Literal["decay_split", "single", "task"] = opt(
+        "decay_split",
+        "decay_split: weights first, then biases and norm parameters (1-D tensors); "
+        "single: one group; task: the task's param_groups(model).",
+    )
+    weight_decay_groups: Literal["first", "all"] = opt(
+        "first", "Which groups get schedules.weight_decay: the first (DINO; no decay on biases/norms) or all."
+    )
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("betas", f"must be two numbers in [0, 1); got {self.betas}")
+        if self.eps <= 0:
+            raise ConfigError("eps", f"must be > 0; got {self.eps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    """Autocast dtype and fp16 dynamic loss scaling."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Autocast dtype for forward passes.")
+    init_scale: float = opt(2.0**16, "fp16: initial loss scale.")
+    growth_interval: int = opt(2000, "fp16: steps without overflow before the scale doubles.")
+    min_scale: float = opt(1e-4, "fp16: a loss scale below this stops training with an error.")
+
+    def __post_init__(self) -> None:
+        if self.init_scale <= 0:
+            raise ConfigError("init_scale", f"must be > 0; got {self.init_scale}")
+        if self.growth_interval < 1:
+            raise ConfigError("growth_interval", f"must be >= 1; got {self.growth_interval}")
+        if self.min_scale <= 0:
+            raise ConfigError("min_scale", f"must be > 0; got {self.min_scale}")
+
+
+@dataclass(kw_only=True, slots=True)
+class AccumConfig:
+    """Gradient accumulation: micro-batches per optimizer update."""
+
+    steps: int = opt(1, "Micro-batches per optimizer update on each worker.")
+    start_epoch: int = opt(0, "Accumulate only from this epoch on; before it one micro-batch per update (cvnets).")
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("steps", f"must be >= 1; got {self.steps}")
+        if self.start_epoch < 0:
+            raise ConfigError("start_epoch", f"must be >= 0; got {self.start_epoch}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """How micro-batch losses combine into one update."""
+
+    reduction: Literal["mean", "sum"] = opt(
+        "mean",
+        "mean: the loss is a per-micro-batch mean, averaged over micro-batches and workers; "
+        "sum (fairseq): the loss is a sum over units and gradients are divided by the total sample_size.",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ClipConfig:
+    """Gradient clipping, applied after unscaling and normalisation."""
+
+    mode: Literal["none", "global", "per_param"] = opt(
+        "none", "global: total-norm clipping; per_param: each tensor (DINO)."
+    )
+    max_norm: float = opt(1.0, "Largest allowed norm.")
+
+    def __post_init__(self) -> None:
+        if self.max_norm <= 0:
+            raise ConfigError("max_norm", f"must be > 0; got {self.max_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FreezeConfig:
+    """Cancel the gradients of the last layer during the first epochs (DINO)."""
+
+    last_layer_epochs: int = opt(0, "Number of initial epochs during which matching parameters get no update.")
+    last_layer_pattern: str = opt("last_layer", "Regular expression matched against parameter names.")
+
+    def __post_init__(self) -> None:
+        import re
+
+        if self.last_layer_epochs < 0:
+            raise ConfigError("last_layer_epochs", f"must be >= 0; got {self.last_layer_epochs}")
+        try:
+            re.compile(self.last_layer_pattern)
+        except re.error as err:
+            raise ConfigError("last_layer_pattern", f"is not a regular expression: {err}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class EMAConfig:
+    """Exponential moving average of the weights (model EMA, or a DINO momentum teacher)."""
+
+    enabled: bool = opt(False, "Keep an EMA copy; its momentum is schedules.ema_momentum.")
+    copy_buffers: bool = opt(
+        True, "Copy buffers (e.g. BatchNorm statistics) into the EMA instead of averaging nothing."
+    )
+    every: int = opt(1, "Update the EMA every this many optimizer steps.")
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError("every", f"must be >= 1; got {self.every}")
+
+
+@dataclass(kw_only=True, slots=True)
+class NonFiniteConfig:
+    """What to do when a loss or gradient is NaN or infinite (the same decision on every worker)."""
+
+    policy: Literal["skip", "stop"] = opt(
+        "stop", "skip: drop the update and go on; stop: raise an error naming the first non-finite module."
+    )
+    max_consecutive: int = opt(5, "skip: this many skipped updates in a row stop the run.")
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive < 1:
+            raise ConfigError("max_consecutive", f"must be >= 1; got {self.max_consecutive}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OOMConfig:
+    """What to do on out-of-memory in forward or backward (the same decision on every worker)."""
+
+    policy: Literal["skip", "raise"] = opt(
+        "skip", "skip: drop the update on every worker and count it; raise: fail at once."
+    )
+    max_consecutive: int = opt(3, "skip: this many skipped updates in a row stop the run.")
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive < 1:
+            raise ConfigError("max_consecutive", f"must be >= 1; got {self.max_consecutive}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Metric cadence."""
+
+    every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ConfigError("every_steps", f"must be >= 1; got {self.every_steps}")

@@ -1,0 +1,73 @@
+"""Parameter groups and the optimizer; learning rate and weight decay are set per step from schedules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain_loops.config.engine import OptimConfig
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    # Biases and 1-D tensors (norm scales and shifts, layer-scale) are not regularised.
+    return p.ndim <= 1 or name.endswith(".bias")
+
+
+def param_groups(
+    model: nn.Module, cfg: OptimConfig, task_groups: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Parameter groups in the order weight decay is applied: the first group is the regularised one.
+
+    Each group carries ``lr_scale`` (multiplies the lr schedule), ``decay`` (whether the
+    weight-decay schedule applies) and ``param_names`` (for freezing and error messages).
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.param_groups == "task":
+        if not task_groups:
+            raise ValueError("optim.param_groups=task, but the task returned no param_groups(model)")
+        names = {id(p): n for n, p in named}
+        groups = []
+        for i, g in enumerate(task_groups):
+            params = list(g["params"])
+            decay = g.get("decay", i == 0 if cfg.weight_decay_groups == "first" else True)
+            groups.append(
+                {
+                    "params": params,
+                    "param_names": [names.get(id(p), "?") for p in params],
+                    "lr_scale": float(g.get("lr_scale", 1.0)),
+                    "decay": bool(decay),
+                }
+            )
+    elif cfg.param_groups == "single":
+        groups = [
+            {"params": [p for _, p in named], "param_names": [n for n, _ in named], "lr_scale": 1.0, "decay": True}
+        ]
+    else:
+        decay = [(n, p) for n, p in named if not _no_decay(n, p)]
+        rest = [(n, p) for n, p in named if _no_decay(n, p)]
+        groups = [
+            {"params": [p for _, p in part], "param_names": [n for n, _ in part], "lr_scale": 1.0, "decay": i == 0}
+            for i, part in enumerate((decay, rest))
+            if part
+        ]
+    if cfg.weight_decay_groups == "all":
+        for g in groups:
+            g["decay"] = True
+    return groups
+
+
+def build_optimizer(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer over ``groups``; lr and weight decay start at 0 and are set by :func:`apply_values`."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=0.0, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=0.0)
+    cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+    return cls(groups, lr=0.0, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
+
+
+def apply_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    """Set this step's learning rate and weight decay on every group."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+        g["weight_decay"] = weight_decay if g.get("decay", True) else 0.0

@@ -1,0 +1,421 @@
+"""One optimizer update over K micro-batches, with the numerics of the seed loops.
+
+Per step, on every worker (see DESIGN.md, "The step"):
+
+1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
+   the last one (``no_sync`` on the others);
+2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``
+   and one host read of it: this is the only synchronisation the step adds, and every decision
+   below is taken from the reduced values, so every worker takes the same one;
+3. skip (OOM anywhere, fp16 overflow, non-finite with policy ``skip``) or raise, on all workers;
+4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
+   averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
+   optimizer, update the loss scale, count the step and update the EMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain_loops.config.run import Config
+from raytrain_loops.engine import dist
+from raytrain_loops.engine.ema import EMA
+from raytrain_loops.engine.guards import (
+    LossScaleError,
+    NonFiniteError,
+    OOMError,
+    first_nonfinite_grad,
+    first_nonfinite_module,
+    is_oom,
+)
+from raytrain_loops.engine.meters import Meters
+from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
+from raytrain_loops.engine.precision import autocast, grad_scaler
+from raytrain_loops.engine.rng import rng_state, set_rng_state
+from raytrain_loops.engine.schedules import schedule_values
+
+__all__ = ["Engine", "LossOutput", "StepContext", "StepResult", "LossFn", "unwrap", "to_device"]
+
+
+@dataclass
+class LossOutput:
+    """What a criterion returns for one micro-batch.
+
+    ``loss``: a mean over the micro-batch (``loss.reduction=mean``) or a sum over its units
+    (``sum``). ``sample_size``: the number of units (samples or tokens); in ``sum`` mode gradients
+    are divided by its total, in both modes it weights the logged values. ``logs``: named values
+    (means over the micro-batch) to log.
+    """
+
+    loss: torch.Tensor
+    sample_size: int | float | torch.Tensor = 1
+    logs: dict[str, torch.Tensor | float] = field(default_factory=dict)
+
+
+@dataclass
+class StepContext:
+    """What a criterion may read: counters, this step's schedule values, the EMA/teacher model."""
+
+    step: int
+    epoch: int
+    values: dict[str, float]
+    ema: nn.Module | None
+    micro_index: int = 0
+    num_micro: int = 1
+
+
+LossFn = Callable[[nn.Module, Any, StepContext], LossOutput]
+
+
+@dataclass
+class StepResult:
+    """The outcome of one call to :meth:`Engine.train_step`, identical on every worker."""
+
+    applied: bool
+    skipped: str | None
+    loss: float
+    sample_size: float
+    grad_norm: float
+    lr: float
+    compute_time: float
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP (or compiled) wrapper."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move the tensors of a (nested) batch to ``device`` without blocking the host."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+class Engine:
+    """The per-worker training state and its step. Imports no Ray.
+
+    ``model`` may be wrapped in ``DistributedDataParallel`` (required when more than one worker
+    runs). ``total_steps`` is the run's length in optimizer steps, for the schedules.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        config: Config,
+        *,
+        total_steps: int,
+        task_param_groups: list[dict[str, Any]] | None = None,
+    ):
+        self.model = model
+        self.module = unwrap(model)
+        self.loss_fn = loss_fn
+        self.config = config
+        self.total_steps = total_steps
+        self.world_size = dist.world_size()
+        self._ddp = hasattr(model, "no_sync")
+        if self.world_size > 1 and not self._ddp:
+            raise ValueError(
+                f"{self.world_size} workers are running but the model is not wrapped in DistributedDataParallel"
+            )
+        self.device = next(self.module.parameters()).device
+        self._cdev = dist.collective_device()
+        groups = param_groups(self.module, config.optim, task_param_groups)
+        self.optimizer = build_optimizer(groups, config.optim)
+        self.scaler = grad_scaler(config.precision, self.device)
+        self.ema = EMA(self.module, config.ema.copy_buffers) if config.ema.enabled else None
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        pattern = re.compile(config.freeze.last_layer_pattern)
+        self._frozen = [p for n, p in self.module.named_parameters() if pattern.search(n)]
+        if config.freeze.last_layer_epochs > 0 and not self._frozen:
+            raise ValueError(
+                f"freeze.last_layer_pattern={config.freeze.last_layer_pattern!r} matches no parameter of the model"
+            )
+        self.meters = Meters()
+        self._dummy: Any = None
+        # Counters: all part of the saved state.
+        self.step = 0
+        self.epoch = 0
+        self.counts = {"overflow": 0, "nonfinite": 0, "oom": 0, "micro_batches": 0}
+        self._in_a_row = {"nonfinite": 0, "oom": 0}
+
+    # ------------------------------------------------------------------ the step
+
+    def values(self) -> dict[str, float]:
+        """Every schedule's value at the current step."""
+        return schedule_values(self.config.schedules, self.step, self.total_steps)
+
+    def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
+        """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
+        has run out of data: it still joins the collectives, contributing nothing)."""
+        start = time.perf_counter()
+        cfg = self.config
+        values = self.values()
+        apply_values(self.optimizer, values["lr"], values["weight_decay"])
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        k = len(micro_batches)
+        mean = cfg.loss.reduction == "mean"
+        ctx = StepContext(self.step, self.epoch, values, self.ema.module if self.ema else None, 0, k)
+        sample_size: torch.Tensor | float = 0.0
+        loss_sum: torch.Tensor | float = 0.0
+        terms = 0.0
+        ooms = 0
+        losses: list[tuple[int, torch.Tensor]] = []
+        pending_logs: list[tuple[dict[str, Any], Any]] = []
+        for i, batch in enumerate(micro_batches):
+            ctx.micro_index = i
+            last = i == k - 1
+            if batch is None:
+                self._join_with_dummy(ctx, last)
+                continue
+            batch = to_device(batch, self.device)
+            try:
+                with self._sync(last):
+                    with autocast(cfg.precision, self.device):
+                        out = self.loss_fn(self.model, batch, ctx)
+                    self.scaler.scale(out.loss / k if mean else out.loss).backward()
+            except Exception as err:
+                if not is_oom(err):
+                    raise
+                if cfg.oom.policy == "raise":
+                    raise OOMError(f"out of memory in forward/backward at step {self.step} (oom.policy=raise)") from err
+                ooms += 1
+                self._recover_from_oom(ctx, last, err)
+                continue
+            if self._dummy is None:
+                self._dummy = batch
+            loss = out.loss.detach().float()
+            losses.append((i, loss))
+            loss_sum = loss_sum + loss
+            sample_size = sample_size + out.sample_size
+            terms += 1.0
+            pending_logs.append((out.logs, out.sample_size))
+        self.counts["micro_batches"] += k
+
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else 0.0
+        packed = torch.stack(
+            [
+                torch.as_tensor(v, dtype=torch.float64).to(self._cdev)
+                for v in (sample_size, loss_sum, terms, ooms, norm_sq)
+            ]
+        )
+        dist.all_reduce_sum(packed)
+        total_size, total_loss, total_terms, total_ooms, total_norm_sq = packed.tolist()
+
+        # DDP averaged the gradients over workers; sum mode wants them summed and divided by
+        # the total sample size instead.
+        grad_factor = 1.0 if mean else (self.world_size / total_size if total_size > 0 else 0.0)
+        grad_norm = (
+            math.sqrt(total_norm_sq / self.world_size) * grad_factor if math.isfinite(total_norm_sq) else math.inf
+        )
+        denom = total_terms if mean else total_size
+        loss_value = total_loss / denom if denom > 0 else math.nan
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+
+        skipped = None
+        if total_ooms > 0:
+            skipped = "oom"
+        elif not finite:
+            skipped = "overflow" if self.scaler.is_enabled() else "nonfinite"
+        elif total_size <= 0 and not mean:
+            skipped = "empty"
+        if skipped is not None:
+            self._skip(skipped, micro_batches, losses, ctx)
+            return StepResult(
+                False, skipped, loss_value, total_size, grad_norm, values["lr"], time.perf_counter() - start
+            )
+
+        self._clip_and_normalise(grads, grad_factor, grad_norm)
+        if self.epoch < cfg.freeze.last_layer_epochs:
+            for p in self._frozen:
+                p.grad = None
+        self.optimizer.step()
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        self.step += 1
+        self._in_a_row = {"nonfinite": 0, "oom": 0}
+        if self.ema is not None and self.step % cfg.ema.every == 0:
+            self.ema.update(values["ema_momentum"])
+
+        compute = time.perf_counter() - start
+        self._log_step(pending_logs, loss_value, denom, grad_norm, values, compute, data_time, total_size)
+        return StepResult(True, None, loss_value, total_size, grad_norm, values["lr"], compute)
+
+    # ------------------------------------------------------------------ pieces of the step
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if self._ddp and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _join_with_dummy(self, ctx: StepContext, last: bool) -> None:
+        """Run a zero-weight forward/backward so DDP's all-reduce on the last micro-batch still
+        gets this worker's (zero) contribution; off the last micro-batch nothing is needed."""
+        if not (last and self._ddp and self.world_size > 1):
+            return
+        if self._dummy is None:
+            raise OOMError(
+                "a worker has no batch to join the gradient all-reduce with (no micro-batch has succeeded yet)"
+            )
+        with self._sync(True), autocast(self.config.precision, self.device):
+            out = self.loss_fn(self.model, self._dummy, ctx)
+        (out.loss * 0.0).backward()
+
+    def _recover_from_oom(self, ctx: StepContext, last: bool, err: BaseException) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            self._join_with_dummy(ctx, last)
+        except Exception as again:
+            raise OOMError(
+                f"out of memory at step {self.step} and the gradient all-reduce could not be completed "
+                f"({again}); lower the micro-batch size"
+            ) from err
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip_and_normalise(self, grads: list[torch.Tensor], factor: float, grad_norm: float) -> None:
+        clip = self.config.clip
+        if clip.mode == "global":
+            factor *= min(1.0, clip.max_norm / (grad_norm + 1e-6))
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
+        if clip.mode == "per_param" and grads:
+            norms = torch._foreach_norm(grads)
+            coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
+            torch._foreach_mul_(grads, coefs)
+
+    def _skip(self, reason: str, micro_batches: Sequence[Any], losses, ctx: StepContext) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if reason == "empty":
+            return
+        if reason == "overflow":
+            self.counts["overflow"] += 1
+            self.scaler.update()
+            scale = self.scaler.get_scale()
+            if scale < self.config.precision.min_scale:
+                raise LossScaleError(
+                    f"fp16 loss scale fell to {scale:g}, below precision.min_scale={self.config.precision.min_scale:g}: "
+                    "the loss or gradients are non-finite even at a tiny scale; try precision.dtype=bf16 or a lower lr"
+                )
+            return
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        self.counts[reason] += 1
+        self._in_a_row[reason] += 1
+        if reason == "oom":
+            if self._in_a_row["oom"] >= self.config.oom.max_consecutive:
+                raise OOMError(
+                    f"out of memory on {self._in_a_row['oom']} updates in a row (oom.max_consecutive="
+                    f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
+                )
+            return
+        if self.config.nonfinite.policy == "stop":
+            raise NonFiniteError(self._describe_nonfinite(micro_batches, losses, ctx))
+        if self._in_a_row["nonfinite"] >= self.config.nonfinite.max_consecutive:
+            raise NonFiniteError(
+                f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
+                f"(nonfinite.max_consecutive={self.config.nonfinite.max_consecutive}); "
+                + self._describe_nonfinite(micro_batches, losses, ctx)
+            )
+
+    def _describe_nonfinite(self, micro_batches: Sequence[Any], losses, ctx: StepContext) -> str:
+        """Name the first module whose output was non-finite, agreed by all workers (collective)."""
+        where = None
+        bad = [i for i, loss in losses if not bool(torch.isfinite(loss))]
+        if bad:
+            batch = to_device(micro_batches[bad[0]], self.device)
+            ctx.micro_index = bad[0]
+
+            def rerun():
+                with autocast(self.config.precision, self.device):
+                    return self.loss_fn(self.module, batch, ctx).loss
+
+            module = first_nonfinite_module(self.module, rerun)
+            where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
+            where += f" on worker {dist.rank()}, micro-batch {bad[0]}"
+        reports = dist.all_gather_object(where)
+        first = next((r for r in reports if r), None)
+        if first is None:
+            param = first_nonfinite_grad(self.module)
+            first = f"the gradient of parameter '{param}'" if param else "an unknown place"
+        return f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
+
+    def _log_step(self, pending_logs, loss_value, denom, grad_norm, values, compute, data_time, total_size) -> None:
+        m = self.meters
+        for logs, weight in pending_logs:
+            for name, v in logs.items():
+                m.add(name, v, weight)
+        # Host numbers, already identical on every worker: weight by 1/world so the summed
+        # reduction gives back the value itself.
+        w = 1.0 / self.world_size
+        m.add("loss", loss_value, denom * w)
+        m.add("grad_norm", grad_norm, w)
+        m.add("lr", values["lr"], w)
+        m.add("sample_size", total_size, w)
+        m.add("compute_time", compute)
+        m.add("data_time", data_time)
+
+    def reduce_metrics(self) -> dict[str, float]:
+        """Means over all workers since the last call, plus counters. Every worker must call it
+        at the same point (it runs collectives)."""
+        out = self.meters.reduce()
+        out.update(step=float(self.step), epoch=float(self.epoch))
+        out.update({k: float(v) for k, v in self.counts.items() if k != "micro_batches"})
+        if self.scaler.is_enabled():
+            out["loss_scale"] = self.scaler.get_scale()
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-for-bit: weights, optimizer, scaler, EMA, counters and
+        this worker's RNG states. Safe for ``torch.load(weights_only=True)``."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "ema": self.ema.state_dict() if self.ema else None,
+            "counters": {"step": self.step, "epoch": self.epoch, **{f"count_{k}": v for k, v in self.counts.items()}},
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` captured."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler.is_enabled() and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            if state["ema"] is None:
+                raise ValueError("the checkpoint has no EMA weights but ema.enabled is true")
+            self.ema.load_state_dict(state["ema"])
+        c = state["counters"]
+        self.step, self.epoch = int(c["step"]), int(c["epoch"])
+        self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
+        set_rng_state(state["rng"])

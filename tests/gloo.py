@@ -1,0 +1,72 @@
+"""Run a function on N CPU processes joined in a gloo process group, with a hard deadline.
+
+A worker that hangs makes the test fail (all processes are killed at the deadline) instead of
+hanging the suite. Each worker's return value, or the exception it raised, comes back in rank
+order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class WorkerOutcome:
+    value: Any = None
+    error: str | None = None
+    message: str = ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        outcome = WorkerOutcome(value=fn(rank, world, *args))
+    except Exception as err:  # reported to the test, which decides whether it was expected
+        outcome = WorkerOutcome(error=type(err).__name__, message=f"{err}\n{traceback.format_exc()}")
+    torch.save(outcome.__dict__, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_gloo(world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their outcomes in rank order."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        for p in procs:
+            p.join(max((deadline - datetime.datetime.now()).total_seconds(), 0.1))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise AssertionError(f"workers {hung} of {world} still running after {timeout}s: a hang")
+        outcomes = []
+        for r, p in enumerate(procs):
+            path = os.path.join(outdir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise AssertionError(f"worker {r} exited with code {p.exitcode} and reported nothing")
+            outcomes.append(WorkerOutcome(**torch.load(path, weights_only=True)))
+        return outcomes

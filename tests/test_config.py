@@ -1,0 +1,60 @@
+"""Config: YAML + dotted overrides, round trip through plain dicts, errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_loops.config import Config, ConfigError, load_config
+
+
+def test_yaml_with_overrides_round_trips_through_a_plain_dict(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "optim: {name: sgd, momentum: 0.8}\n"
+        "schedules:\n  lr: {kind: cosine, value: 0.1, warmup_steps: 5}\n  teacher_temp: 0.04\n"
+        "precision: {dtype: bf16}\n"
+    )
+    cfg = load_config(recipe, ["accum.steps=4", "schedules.lr.end=1e-5", "optim.betas=[0.9, 0.95]", "ema.enabled=true"])
+    assert cfg.optim.name == "sgd" and cfg.optim.momentum == 0.8 and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.schedules["lr"].kind == "cosine" and cfg.schedules["lr"].end == 1e-5
+    assert cfg.schedules["teacher_temp"].value == 0.04  # a bare number is a constant schedule
+    assert cfg.schedules["weight_decay"].value == 0.0  # defaults kept beside the recipe's entries
+    assert cfg.accum.steps == 4 and cfg.ema.enabled is True and cfg.precision.dtype == "bf16"
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "override,key,fragment",
+    [
+        ("precision.dtype=fp8", "precision.dtype", "one of 'fp32', 'bf16', 'fp16'"),
+        ("optim.nme=sgd", "optim.nme", "did you mean 'name'"),
+        ("nosuchsection.x=1", "nosuchsection", "unknown key"),
+        ("accum.steps=0", "accum.steps", "must be >= 1"),
+        ("clip.max_norm=abc", "clip.max_norm", "must be a number"),
+        ("schedules.lr.warmup_steps=1.5", "schedules.lr.warmup_steps", "must be an integer"),
+        ("ema.enabled=maybe", "ema.enabled", "true or false"),
+        ("schedules.lr=3", "schedules.lr", "is a section; set one of its keys, for example schedules.lr.value"),
+        ("schedules.ema_momentum.value=1.5", "schedules.ema_momentum.value", "must be in [0, 1]"),
+        ("optim.betas=[0.9]", "optim.betas", "two numbers"),
+        ("freeze.last_layer_pattern=(", "freeze.last_layer_pattern", "not a regular expression"),
+        ("loss.reduction", "loss.reduction", "key=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(override, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert info.value.key == key
+    assert fragment in str(info.value)
+
+
+def test_bad_recipe_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such recipe file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not a mapping\n")
+    with pytest.raises(ConfigError, match="bad.yaml: must hold a mapping"):
+        load_config(bad)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("optim:\n  name: lamb\n")
+    with pytest.raises(ConfigError, match=r"optim.name: must be one of 'adamw', 'adam', 'sgd'; got 'lamb'"):
+        load_config(nested)
