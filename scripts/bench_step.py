@@ -93,8 +93,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128, help="micro-batch size")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(16)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, MLP 256-1024-1024-10, micro-batch {args.batch}")
+    batches = [
+        (torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(16)
+    ]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, MLP 256-1024-1024-10, micro-batch {args.batch}"
+    )
     print(f"{'precision':>9} {'K':>2} {'bare ms':>9} {'engine ms':>10} {'engine/bare':>12}")
     ratios = []
     for precision in ("fp32", "bf16"):

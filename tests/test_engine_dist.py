@@ -168,3 +168,27 @@ def test_repeated_oom_is_a_clear_error_on_both_ranks():
     outcomes = run_gloo(2, _oom_on_rank0, "before_forward", (1, 2), 1)
     assert [o.error for o in outcomes] == ["OOMError", "OOMError"]
     assert all("out of memory on 2 updates in a row" in o.message for o in outcomes)
+
+
+def _rank_dependent_metric(rank: int, world: int):
+    engine = Engine(DDP(fakes.make_model()), fakes.mean_loss, fakes.config(), total_steps=2)
+    x, y = fakes.regression_data(n=16, seed=rank)
+
+    def loss(m, batch, ctx):
+        out = fakes.mean_loss(m, batch, ctx)
+        out.logs["rank"] = torch.tensor(float(rank))
+        out.sample_size = 1 + 2 * rank  # rank 1 weighs 3x rank 0
+        return out
+
+    engine.loss_fn = loss
+    engine.train_step([(x[:8], y[:8])])
+    engine.train_step([(x[8:], y[8:])])
+    return engine.reduce_metrics()
+
+
+def test_metrics_are_aggregated_over_all_workers_not_rank0():
+    outcomes = run_gloo(2, _rank_dependent_metric)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message
+    for o in outcomes:
+        assert o.value["rank"] == 0.75  # (0 * 1 + 1 * 3) / 4 on both ranks
+        assert o.value["step"] == 2

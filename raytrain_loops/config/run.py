@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from raytrain_loops.config.base import ConfigError, apply_overrides, from_dict, opt, read_yaml, to_dict
 from raytrain_loops.config.engine import (
@@ -22,7 +22,17 @@ from raytrain_loops.config.engine import (
     default_schedules,
 )
 
-__all__ = ["Config", "LoopConfig", "TaskConfig", "load_config"]
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "LoopConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "TaskConfig",
+    "load_config",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,6 +59,95 @@ class LoopConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Batching and ingestion."""
+
+    batch_size: int = opt(64, "Micro-batch size per worker.")
+    eval_batch_size: int = opt(256, "Batch size per worker for evaluation.")
+    shuffle_buffer: int = opt(10_000, "Rows in each worker's local shuffle buffer (0: no shuffle).")
+    dir: str = opt("~/.cache/raytrain_loops", "Directory where bundled data sets are written as Parquet.")
+    loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
+    materialize: Literal["auto", "always", "never"] = opt(
+        "auto", "Read Parquet once into Ray's object store instead of every epoch; auto: when under 1 GiB."
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "eval_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1; got {getattr(self, key)}")
+        for key in ("shuffle_buffer", "loader_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0; got {getattr(self, key)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Evaluation cadence."""
+
+    every_steps: int = opt(0, "Evaluate every this many steps; 0: at the end of every epoch. Always at the end.")
+    ema: bool = opt(True, "Also evaluate the EMA weights (metrics prefixed ema_) when ema.enabled.")
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("every_steps", f"must be >= 0; got {self.every_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoint cadence and retention."""
+
+    every_steps: int = opt(0, "Checkpoint every this many steps; 0: at the end of every epoch. Always at the end.")
+    keep: int = opt(2, "Checkpoints kept (the newest, or the best by score_metric).")
+    score_metric: str = opt("", "Keep the best checkpoints by this reported metric instead of the newest.")
+    score_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower score_metric is better.")
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("every_steps", f"must be >= 0; got {self.every_steps}")
+        if self.keep < 1:
+            raise ConfigError("keep", f"must be >= 1; got {self.keep}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScalingConfig:
+    """Workers and their resources."""
+
+    num_workers: int = opt(2, "Training workers (one DDP process each).")
+    use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
+    threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError("num_workers", f"must be >= 1; got {self.num_workers}")
+        if self.cpus_per_worker < 0:
+            raise ConfigError("cpus_per_worker", f"must be >= 0; got {self.cpus_per_worker}")
+        if self.threads_per_worker < 0:
+            raise ConfigError("threads_per_worker", f"must be >= 0; got {self.threads_per_worker}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Where results go and how the run talks to Ray."""
+
+    name: str = opt("", "Run name; empty: derived from the task and a hash of the config (deterministic).")
+    storage_path: str = opt("./runs", "A local directory or a URI pyarrow understands (s3://, gs://).")
+    max_failures: int = opt(0, "Worker-group restarts Ray may make after failures.")
+    report_every_steps: int = opt(50, "Report metrics to Ray every this many steps (a report costs up to ~2 s).")
+    progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
+
+    def __post_init__(self) -> None:
+        import re
+
+        if self.name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
+            raise ConfigError("name", f"must be letters, digits, '_', '.', '-'; got {self.name!r}")
+        if self.max_failures < -1:
+            raise ConfigError("max_failures", f"must be >= -1 (-1: unlimited); got {self.max_failures}")
+        if self.report_every_steps < 1:
+            raise ConfigError("report_every_steps", f"must be >= 1; got {self.report_every_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """Everything a run needs. Sections are addressed by dotted keys: ``precision.dtype=bf16``."""
 
@@ -68,6 +167,11 @@ class Config:
     nonfinite: NonFiniteConfig = opt(NonFiniteConfig(), "Non-finite loss or gradient policy.")
     oom: OOMConfig = opt(OOMConfig(), "Out-of-memory policy.")
     logging: LoggingConfig = opt(LoggingConfig(), "Metric cadence.")
+    data: DataConfig = opt(DataConfig(), "Batching and ingestion.")
+    eval: EvalConfig = opt(EvalConfig(), "Evaluation cadence.")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoint cadence and retention.")
+    scaling: ScalingConfig = opt(ScalingConfig(), "Workers and resources.")
+    run: RunConfig = opt(RunConfig(), "Storage, name and Ray reporting.")
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "ema_momentum"):

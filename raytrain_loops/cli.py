@@ -1,0 +1,57 @@
+"""``raytrain-loops``: parse, build the config, call the library. No training logic here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="raytrain-loops", description="Research training loops on Ray Train.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a recipe on Ray Train (a local Ray, or the cluster in RAY_ADDRESS)")
+    train.add_argument("recipe", help="built-in recipe name or YAML path")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. loop.epochs=3")
+    sub.add_parser("recipes", help="list the built-in recipes")
+    return ap
+
+
+def _error(message: str) -> int:
+    print(f"raytrain-loops: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from raytrain_loops import recipes
+    from raytrain_loops.config import ConfigError, load_config
+
+    if args.command == "recipes":
+        for name, path in sorted(recipes.builtin().items()):
+            print(f"{name:<16} {recipes.describe(path)}")
+        return 0
+
+    from raytrain_loops.launch.fit import DataError
+
+    try:
+        config = load_config(recipes.resolve(args.recipe), args.overrides)
+        from raytrain_loops.launch.fit import fit
+
+        os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+        result = fit(config)
+    except (ConfigError, DataError) as err:
+        return _error(str(err))
+    except Exception as err:  # a failed run: show its root cause, not Ray's wrapping
+        from raytrain_loops.launch.errors import root_cause
+
+        print(f"raytrain-loops: training failed: {root_cause(err)}", file=sys.stderr)
+        return 1
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
+    print(f"finished in {result.wall_time:.1f}s: {shown}")
+    print(f"run directory: {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

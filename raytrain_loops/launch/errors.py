@@ -1,0 +1,16 @@
+"""Turning Ray's wrapped worker failures back into the error a user can act on."""
+
+from __future__ import annotations
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost meaningful message of a (possibly Ray-wrapped) training failure."""
+    worker_failures = getattr(err, "worker_failures", None)
+    if isinstance(worker_failures, dict) and worker_failures:
+        inner = next(iter(worker_failures.values()))
+        return root_cause(inner)
+    cause = getattr(err, "cause", None) or err.__cause__
+    if isinstance(cause, BaseException) and cause is not err:
+        return root_cause(cause)
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"

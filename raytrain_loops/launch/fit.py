@@ -1,0 +1,143 @@
+"""``fit(config)``: check everything, start (or join) Ray, run a TorchTrainer, write the summary."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_loops.config import Config, ConfigError, load_config
+from raytrain_loops.launch import storage
+from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
+
+
+class DataError(ValueError):
+    """A data file, directory or column a task needs is missing."""
+
+
+@dataclass
+class FitResult:
+    """What a finished run left: its directory, final metrics and last checkpoint (a path)."""
+
+    run_dir: str
+    metrics: dict[str, Any]
+    checkpoint: str | None
+    wall_time: float
+
+
+def run_name(config: Config) -> str:
+    """The run's name: ``run.name``, or the task name and a hash of everything that shapes the
+    result, so the same command maps to the same run directory."""
+    if config.run.name:
+        return config.run.name
+    data = config.to_dict()
+    data["run"] = {k: v for k, v in data["run"].items() if k not in ("storage_path", "progress")}
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+    base = config.task.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower()
+    return f"{base}-{digest}"
+
+
+def check_parquet(split_name: str, split: ParquetSplit) -> int:
+    """Check that the Parquet data exists and has the task's columns; return its row count."""
+    import pyarrow.dataset as pads
+
+    path = split.path if storage.is_uri(split.path) else os.path.abspath(os.path.expanduser(split.path))
+    split.path = path  # workers run in another directory
+    if not storage.is_uri(path) and not os.path.exists(path):
+        raise DataError(f"split '{split_name}': no such Parquet file or directory: {path}")
+    try:
+        ds = pads.dataset(path, format="parquet")
+    except Exception as err:
+        raise DataError(f"split '{split_name}': cannot read Parquet at {path}: {err}") from None
+    if not ds.files:
+        raise DataError(f"split '{split_name}': no Parquet files under {path}")
+    names = set(ds.schema.names)
+    missing = [c for c in split.columns if c not in names]
+    if missing:
+        raise DataError(
+            f"split '{split_name}': column '{missing[0]}' not found in {ds.files[0]} (columns there: {', '.join(sorted(names))})"
+        )
+    return ds.count_rows()
+
+
+def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
+    """Build the task and check its data on the driver, before any Ray work starts."""
+    task = task or build_task(config.task.name, config.task.params)
+    data_dir = Path(config.data.dir).expanduser().resolve()  # workers run in another directory
+    task.prepare(data_dir)
+    splits = task.splits(data_dir)
+    if "train" not in splits:
+        raise DataError(f"task {config.task.name!r} has no 'train' split (it has: {', '.join(splits) or 'none'})")
+    rows = {}
+    for name, split in splits.items():
+        if isinstance(split, ParquetSplit):
+            rows[name] = check_parquet(name, split)
+        elif isinstance(split, MapSplit):
+            rows[name] = len(split.dataset)
+        else:
+            raise DataError(f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
+        if rows[name] == 0:
+            raise DataError(f"split '{name}' holds no rows")
+    if rows["train"] // config.scaling.num_workers < config.data.batch_size:
+        raise ConfigError(
+            "data.batch_size",
+            f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.num_workers} training rows per worker",
+        )
+    return task, splits, rows
+
+
+def ensure_ray(config: Config) -> None:
+    """Join the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), or start a local one
+    with CPU left over for Ray Data beside the training workers."""
+    import ray
+
+    # One line per print on the driver (Ray Train otherwise also logs every print).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return
+    s = config.scaling
+    needed = s.num_workers * s.cpus_per_worker + 1  # + 1 for Ray Data's read tasks
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False, log_to_driver=True)
+
+
+def fit(config: Config | dict | str | Path, task: Task | None = None, overrides: list[str] | None = None) -> FitResult:
+    """Train ``config`` (a Config, a dict, or a YAML path with ``overrides``) on Ray Train.
+
+    ``task`` replaces ``config.task`` with your own :class:`~raytrain_loops.tasks.Task` object.
+    Raises ConfigError or DataError before Ray starts when the config or data is wrong.
+    """
+    if not isinstance(config, Config):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = load_config(config.to_dict(), overrides)
+    task, splits, rows = prepare(config, task)
+    name = run_name(config)
+    run_dir = storage.join(config.run.storage_path, name)
+    storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+    print(f"run directory: {run_dir}", flush=True)
+
+    start = time.time()
+    ensure_ray(config)
+    from raytrain_loops.launch.trainer import build_trainer
+
+    trainer = build_trainer(config, task, splits, rows, name, run_dir)
+    result = trainer.fit()
+    wall = time.time() - start
+    metrics = dict(result.metrics or {})
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
+    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
+    if not storage.is_uri(run_dir):
+        from raytrain_loops.launch.plots import plot_run
+
+        plot_run(run_dir)
+    return FitResult(run_dir, metrics, checkpoint, wall)

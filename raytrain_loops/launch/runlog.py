@@ -1,0 +1,104 @@
+"""Rank 0's record of a run: per-step JSON lines, TensorBoard events and a progress line.
+
+Every other rank gets a :class:`RunLog` whose methods do nothing, so the loop calls it without
+``if rank == 0`` everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+from raytrain_loops.engine import StepResult
+from raytrain_loops.launch import storage
+
+
+class RunLog:
+    """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` and ``tb/`` for rank 0."""
+
+    def __init__(self, run_dir: str, rank: int, total_steps: int, progress: bool, start_step: int = 0):
+        self.enabled = rank == 0
+        self.total_steps = total_steps
+        self.progress = progress
+        if not self.enabled:
+            return
+        self.run_dir = run_dir
+        self.local_dir = tempfile.mkdtemp(prefix="raytrain-log-") if storage.is_uri(run_dir) else run_dir
+        os.makedirs(self.local_dir, exist_ok=True)
+        # Held open for the whole run (one line per step) and closed in close().
+        self._steps = open(os.path.join(self.local_dir, "metrics.jsonl"), "a")  # noqa: SIM115
+        self._evals = open(os.path.join(self.local_dir, "eval.jsonl"), "a")  # noqa: SIM115
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(self.local_dir, "tb"))
+        self._t0 = time.perf_counter()
+        self._start_step = start_step
+
+    def step(self, result: StepResult, step: int, epoch: int) -> None:
+        if not self.enabled:
+            return
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": result.loss if math.isfinite(result.loss) else None,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
+            "sample_size": result.sample_size,
+            "applied": result.applied,
+            "skipped": result.skipped,
+            "compute_time": result.compute_time,
+            "time": time.time(),
+        }
+        self._steps.write(json.dumps(record) + "\n")
+
+    def interval(self, metrics: dict[str, float], step: int) -> None:
+        """Once per logging interval: TensorBoard scalars and the progress line."""
+        if not self.enabled:
+            return
+        self._steps.flush()
+        for name, value in metrics.items():
+            self._tb.add_scalar(f"train/{name}", value, step)
+        if self.progress:
+            print(self.progress_line(metrics, step), flush=True)
+
+    def progress_line(self, metrics: dict[str, float], step: int) -> str:
+        elapsed = time.perf_counter() - self._t0
+        done = max(step - self._start_step, 1)
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        eta_text = str(timedelta(seconds=int(eta))) if math.isfinite(eta) else "?"
+        return (
+            f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | {rate:.1f} steps/s | "
+            f"loss {metrics.get('loss', math.nan):.4f} | lr {metrics.get('lr', math.nan):.2e} | eta {eta_text}"
+        )
+
+    def evaluation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        if not self.enabled:
+            return
+        self._evals.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
+        self._evals.flush()
+        for name, value in metrics.items():
+            self._tb.add_scalar(name.replace("eval_", "eval/", 1), value, step)
+        if self.progress:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+            print(f"eval at step {step}: {shown}", flush=True)
+
+    def sync(self) -> None:
+        """Flush, and copy to the run directory when it is remote."""
+        if not self.enabled:
+            return
+        self._steps.flush()
+        self._tb.flush()
+        storage.upload_dir(self.local_dir, self.run_dir)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.sync()
+        self._steps.close()
+        self._evals.close()
+        self._tb.close()

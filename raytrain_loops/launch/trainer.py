@@ -1,0 +1,92 @@
+"""A Ray Train v2 ``TorchTrainer`` built from the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray.data
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raytrain_loops.config import Config
+from raytrain_loops.launch import storage
+from raytrain_loops.launch.worker import train_loop_per_worker
+from raytrain_loops.tasks import ParquetSplit, Task
+
+
+def scaling_config(config: Config) -> ray.train.ScalingConfig:
+    s = config.scaling
+    resources = {"CPU": s.cpus_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = 1
+    return ray.train.ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources)
+
+
+def run_config(config: Config, name: str, callbacks: list[Any] | None = None) -> ray.train.RunConfig:
+    c = config.checkpoint
+    return ray.train.RunConfig(
+        name=name,
+        storage_path=config.run.storage_path
+        if storage.is_uri(config.run.storage_path)
+        else storage.join(config.run.storage_path),
+        # controller_failure_limit=0: resources that cannot be had fail the run instead of retrying forever.
+        failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures, controller_failure_limit=0),
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=c.keep,
+            checkpoint_score_attribute=c.score_metric or None,
+            checkpoint_score_order=c.score_mode,
+        ),
+        callbacks=callbacks,
+    )
+
+
+MATERIALIZE_BELOW_BYTES = 1 << 30
+
+
+def parquet_dataset(split: ParquetSplit, config: Config) -> ray.data.Dataset:
+    """A Ray Data dataset over the split's columns; small data is read once and kept in the
+    object store, so an epoch does not re-read the files."""
+    ds = ray.data.read_parquet(split.path).select_columns(split.columns)
+    mode = config.data.materialize
+    if mode == "always" or (mode == "auto" and parquet_bytes(split.path) < MATERIALIZE_BELOW_BYTES):
+        ds = ds.materialize()
+    return ds
+
+
+def parquet_bytes(path: str) -> int:
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset(path, format="parquet")
+    return sum(ds.filesystem.get_file_info(f).size or 0 for f in ds.files)
+
+
+def build_trainer(
+    config: Config,
+    task: Task,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    name: str,
+    run_dir: str,
+    callbacks: list[Any] | None = None,
+    progress: bool = True,
+) -> TorchTrainer:
+    """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker."""
+    datasets = {
+        name: parquet_dataset(split, config) for name, split in splits.items() if isinstance(split, ParquetSplit)
+    }
+    payload = {
+        "config": config.to_dict(),
+        "task": task,
+        "splits": splits,
+        "rows": rows,
+        "run_dir": run_dir,
+        "progress": progress,
+    }
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=payload,
+        torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
+        scaling_config=scaling_config(config),
+        run_config=run_config(config, name, callbacks),
+        datasets=datasets or None,
+    )

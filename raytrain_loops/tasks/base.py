@@ -1,0 +1,100 @@
+"""What a recipe plugs in: a model, a criterion, data, and an evaluation.
+
+A user's own model needs no change to the library: subclass :class:`Task` and either pass an
+instance to ``raytrain_loops.fit(config, task=...)`` or name it in a recipe as
+``task.name: package.module:MyTask`` (its ``task.params`` become keyword arguments).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from raytrain_loops.engine import LossOutput, StepContext
+
+
+@dataclass
+class ParquetSplit:
+    """A split stored as Parquet: a file, a directory or a URI pyarrow understands, and the
+    columns the task reads (checked before training starts)."""
+
+    path: str
+    columns: list[str]
+
+
+@dataclass
+class MapSplit:
+    """A split as a map-style ``torch.utils.data.Dataset`` (read through a DataLoader)."""
+
+    dataset: Any
+    collate_fn: Any = None
+
+
+EvalOutput = dict[str, tuple[torch.Tensor | float, float]]
+"""Per evaluation batch: metric name -> (mean over the batch, number of samples)."""
+
+
+class Task:
+    """Base class of tasks. Override what your task needs; everything runs on the workers except
+    :meth:`prepare`, which runs once on the driver before training starts."""
+
+    def __init__(self, **params: Any):
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no task.params; got {sorted(params)}")
+
+    def prepare(self, data_dir: Path) -> None:
+        """Write or check data on the driver (idempotent). ``data_dir`` is a cache directory."""
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit | MapSplit]:
+        """The data: a ``train`` split and optionally an ``eval`` split."""
+        raise NotImplementedError
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def collate(self, batch: dict[str, np.ndarray]) -> Any:
+        """Turn a Parquet batch (column name -> NumPy array) into what the criterion takes."""
+        return {k: torch.as_tensor(v) for k, v in batch.items()}
+
+    def criterion(self, model: nn.Module, batch: Any, ctx: StepContext) -> LossOutput:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, batch: Any) -> EvalOutput:
+        """Metrics of one evaluation batch as (mean, count) pairs; they are averaged over all
+        batches and workers weighted by count. Runs under ``torch.no_grad`` and autocast."""
+        return {}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]] | None:
+        """Parameter groups for ``optim.param_groups=task`` (the first is the regularised one)."""
+        return None
+
+
+def build_task(name: str, params: dict[str, Any]) -> Task:
+    """A built-in task by name, or ``package.module:callable`` called with ``params``."""
+    from raytrain_loops.tasks import BUILTIN
+
+    if name in BUILTIN:
+        factory = BUILTIN[name]
+    elif ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"task.name={name!r}: cannot import it ({err})") from None
+    else:
+        raise ValueError(
+            f"task.name={name!r}: not a built-in task ({', '.join(sorted(BUILTIN))}) nor 'module:callable'"
+        )
+    try:
+        task = factory(**params)
+    except TypeError as err:
+        raise ValueError(f"task.params for {name!r}: {err}") from None
+    if not isinstance(task, Task):
+        raise ValueError(f"task.name={name!r} returned {type(task).__name__}, not a raytrain_loops Task")
+    return task
