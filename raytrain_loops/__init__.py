@@ -1,1 +1,22 @@
-"""raytrain_loops: the research training loop as one configurable engine, scaled out with Ray."""
+"""raytrain_loops: the research training loop as one configurable engine, scaled out with Ray.
+
+``fit(config, task=None)`` trains on Ray Train; ``Task`` is how your model, criterion and data
+plug in; ``LossOutput`` is what a criterion returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain_loops.config import Config, ConfigError, load_config
+from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+
+__all__ = ["Config", "ConfigError", "LossOutput", "MapSplit", "ParquetSplit", "StepContext", "Task", "fit", "load_config"]
+
+
+def fit(config: Any, task: Task | None = None, overrides: list[str] | None = None):
+    """Train on Ray Train; see :func:`raytrain_loops.launch.fit.fit`."""
+    from raytrain_loops.launch.fit import fit as _fit
+
+    return _fit(config, task=task, overrides=overrides)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -38,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(recipes.resolve(args.recipe), args.overrides)
         from raytrain_loops.launch.fit import fit
 
-        os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
         result = fit(config)
     except (ConfigError, DataError) as err:
         return _error(str(err))

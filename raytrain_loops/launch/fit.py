@@ -96,9 +96,15 @@ def ensure_ray(config: Config) -> None:
     """Join the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), or start a local one
     with CPU left over for Ray Data beside the training workers."""
     import ray
+    import ray.data
 
+    # Ray Data's per-dataset progress bars would interleave with the training progress lines.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     # One line per print on the driver (Ray Train otherwise also logs every print).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Ray Train's controller takes one report per poll; at its default 2 s a run with many
+    # evaluations ends long after its last step. Polling two workers more often costs little.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -106,7 +112,9 @@ def ensure_ray(config: Config) -> None:
         return
     s = config.scaling
     needed = s.num_workers * s.cpus_per_worker + 1  # + 1 for Ray Data's read tasks
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False, log_to_driver=True)
+    # The dashboard (on 127.0.0.1) serves the State API that Ray Train uses to clean up after a
+    # controller that died; without it placement groups could outlive a failed run.
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), dashboard_host="127.0.0.1", log_to_driver=True)
 
 
 def fit(config: Config | dict | str | Path, task: Task | None = None, overrides: list[str] | None = None) -> FitResult:

@@ -119,16 +119,21 @@ class Checkpointer:
         self.engine, self.rank, self.world = engine, rank, world
 
     def report(self, metrics: dict[str, Any], position: dict[str, int] | None) -> None:
-        """``ray.train.report`` on every worker; with a checkpoint when ``position`` is given."""
+        """``ray.train.report`` on every worker; with a checkpoint when ``position`` is given.
+
+        Reports are asynchronous: the training thread waits only for the other workers (a
+        barrier), while the upload and the hand-over to Ray's controller (which polls every
+        couple of seconds) happen on Ray's background thread, which then deletes the local copy.
+        The files are written here first, so the checkpoint holds the state of this step.
+        """
+        async_mode = ray.train.CheckpointUploadMode.ASYNC
         if position is None:
-            ray.train.report(metrics)
+            ray.train.report(metrics, checkpoint_upload_mode=async_mode)
             return
         tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
         try:
             state = self.engine.state_dict()
-            files = {
-                ckpt_files.rank_file(self.rank): {"rng": state.pop("rng"), "data": position, "world_size": self.world}
-            }
+            files = {ckpt_files.rank_file(self.rank): {"rng": state.pop("rng"), "data": position, "world_size": self.world}}
             if self.rank == 0:
                 files[ckpt_files.STATE] = state
             ckpt_files.write_files(tmp, self.rank, files)
@@ -136,9 +141,11 @@ class Checkpointer:
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
                 checkpoint_dir_name=f"checkpoint_{self.engine.step:08d}",
+                checkpoint_upload_mode=async_mode,
             )
-        finally:
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def restore(self) -> dict[str, int] | None:
         """Load the latest checkpoint Ray hands this worker; return the data position."""

@@ -1,0 +1,118 @@
+"""The Ray layer: the CLI end to end, the Python API with a user's own task, and failures that
+must happen before Ray starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raytrain_loops import ConfigError, ParquetSplit, fit
+from raytrain_loops.launch.fit import DataError
+from raytrain_loops.tasks import DigitsTask
+
+CLI = [sys.executable, "-m", "raytrain_loops.cli"]
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.ray
+def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
+    out = _cli(
+        "train",
+        "default",
+        "loop.epochs=3",
+        f"run.storage_path={tmp_path}",
+        f"data.dir={tmp_path / 'data'}",
+        "logging.every_steps=5",
+        "checkpoint.keep=1",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = Path(out.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    assert run_dir.parent == tmp_path
+    assert "step 5/63" in out.stdout + out.stderr  # progress lines on the driver
+
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if s["applied"]] == list(range(1, 64))  # 3 epochs x 21 steps
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [21, 42, 63]
+    accuracy = [e["eval_accuracy"] for e in evals]
+    assert accuracy[-1] > accuracy[0] and accuracy[-1] >= 0.8, accuracy
+    assert "eval_ema_accuracy" in evals[-1]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"]["eval_accuracy"] == accuracy[-1] and summary["metrics"]["step"] == 63
+    assert summary["checkpoint"].endswith("checkpoint_00000063")
+    checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
+    assert checkpoints == ["checkpoint_00000063"]  # checkpoint.keep=1
+    assert {p.name for p in (run_dir / "checkpoint_00000063").iterdir()} >= {"state.pt", "rank0.pt", "rank1.pt", "manifest.rank0.json", "manifest.rank1.json"}
+    assert "loop:\n  max_steps: 0\n  epochs: 3" in (run_dir / "config.yaml").read_text()
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_invalid_config_fails_before_ray_starts_naming_the_key():
+    start = time.perf_counter()
+    out = _cli("train", "default", "precision.dtype=fp8")
+    assert out.returncode == 2
+    assert "precision.dtype: must be one of 'fp32', 'bf16', 'fp16'; got 'fp8'" in out.stderr
+    assert "Ray" not in out.stderr + out.stdout and time.perf_counter() - start < 30
+    unknown = _cli("train", "default", "optim.lr=0.1")
+    assert unknown.returncode == 2 and "optim.lr: unknown key" in unknown.stderr
+    missing = _cli("train", "no_such_recipe")
+    assert missing.returncode == 2 and "no_such_recipe: not a built-in recipe (default" in missing.stderr
+
+
+def test_recipes_lists_the_built_ins():
+    out = _cli("recipes")
+    assert out.returncode == 0 and out.stdout.startswith("default")
+
+
+class _PointedDigits(DigitsTask):
+    """The digits task reading its training split from a Parquet path given in the test."""
+
+    def __init__(self, path: str, columns: list[str]):
+        super().__init__()
+        self.path, self.columns = path, columns
+
+    def prepare(self, data_dir):
+        pass
+
+    def splits(self, data_dir):
+        return {"train": ParquetSplit(self.path, self.columns)}
+
+
+def test_missing_parquet_file_or_column_is_named_before_ray_starts(tmp_path):
+    import ray
+
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(DataError, match=f"split 'train': no such Parquet file or directory: {missing}"):
+        fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(missing), ["image", "label"]))
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"image": [[0.0] * 64] * 4, "target": [1, 2, 3, 4]}), table)
+    with pytest.raises(DataError, match=r"column 'label' not found in .*t.parquet \(columns there: image, target\)"):
+        fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(table), ["image", "label"]))
+    with pytest.raises(ConfigError, match="data.batch_size: 64 is more than the 2 training rows per worker"):
+        fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(table), ["image", "target"]))
+    assert not ray.is_initialized()
+
+
+@pytest.mark.ray
+def test_a_users_own_task_trains_through_the_python_api(ray_session, tmp_path):
+    from examples.custom_task import CONFIG, SpiralTask
+
+    config = {**CONFIG, "loop": {"epochs": 12}, "run": {"storage_path": str(tmp_path), "progress": False}}
+    result = fit(config, task=SpiralTask())
+    evals = [json.loads(line) for line in (Path(result.run_dir) / "eval.jsonl").read_text().splitlines()]
+    assert len(evals) == 12 and evals[-1]["step"] == 12 * 16  # 2048 rows / 2 workers / 64 per batch
+    assert result.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
