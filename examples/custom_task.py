@@ -41,7 +41,9 @@ class SpiralTask(Task):
     def criterion(self, model, batch, ctx) -> LossOutput:
         x, y = batch
         logits = model(x)
-        return LossOutput(F.cross_entropy(logits, y), sample_size=len(y), logs={"acc": (logits.argmax(1) == y).float().mean()})
+        return LossOutput(
+            F.cross_entropy(logits, y), sample_size=len(y), logs={"acc": (logits.argmax(1) == y).float().mean()}
+        )
 
     def evaluate(self, model, batch):
         x, y = batch

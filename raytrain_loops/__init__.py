@@ -12,7 +12,17 @@ from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
-__all__ = ["Config", "ConfigError", "LossOutput", "MapSplit", "ParquetSplit", "StepContext", "Task", "fit", "load_config"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "LossOutput",
+    "MapSplit",
+    "ParquetSplit",
+    "StepContext",
+    "Task",
+    "fit",
+    "load_config",
+]
 
 
 def fit(config: Any, task: Task | None = None, overrides: list[str] | None = None):

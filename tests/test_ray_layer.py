@@ -22,7 +22,7 @@ CLI = [sys.executable, "-m", "raytrain_loops.cli"]
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -55,7 +55,13 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert summary["checkpoint"].endswith("checkpoint_00000063")
     checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert checkpoints == ["checkpoint_00000063"]  # checkpoint.keep=1
-    assert {p.name for p in (run_dir / "checkpoint_00000063").iterdir()} >= {"state.pt", "rank0.pt", "rank1.pt", "manifest.rank0.json", "manifest.rank1.json"}
+    assert {p.name for p in (run_dir / "checkpoint_00000063").iterdir()} >= {
+        "state.pt",
+        "rank0.pt",
+        "rank1.pt",
+        "manifest.rank0.json",
+        "manifest.rank1.json",
+    }
     assert "loop:\n  max_steps: 0\n  epochs: 3" in (run_dir / "config.yaml").read_text()
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

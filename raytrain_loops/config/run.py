@@ -67,6 +67,7 @@ class DataConfig:
     shuffle_buffer: int = opt(10_000, "Rows in each worker's local shuffle buffer (0: no shuffle).")
     dir: str = opt("~/.cache/raytrain_loops", "Directory where bundled data sets are written as Parquet.")
     loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
+    prefetch_batches: int = opt(2, "Batches Ray Data prepares ahead on a background thread (0: none).")
     materialize: Literal["auto", "always", "never"] = opt(
         "auto", "Read Parquet once into Ray's object store instead of every epoch; auto: when under 1 GiB."
     )
@@ -75,7 +76,7 @@ class DataConfig:
         for key in ("batch_size", "eval_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1; got {getattr(self, key)}")
-        for key in ("shuffle_buffer", "loader_workers"):
+        for key in ("shuffle_buffer", "loader_workers", "prefetch_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0; got {getattr(self, key)}")
 

@@ -102,9 +102,6 @@ def ensure_ray(config: Config) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
     # One line per print on the driver (Ray Train otherwise also logs every print).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    # Ray Train's controller takes one report per poll; at its default 2 s a run with many
-    # evaluations ends long after its last step. Polling two workers more often costs little.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):

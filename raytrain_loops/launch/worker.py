@@ -13,7 +13,6 @@ from typing import Any
 import ray.train
 import ray.train.torch
 import torch
-from ray.data.collate_fn import NumpyBatchCollateFn
 
 from raytrain_loops.config import Config
 from raytrain_loops.engine import Engine, to_device
@@ -25,15 +24,31 @@ from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.tasks import MapSplit, Task
 
+# Ray Data's iterator costs about a millisecond of Python per batch it hands out, on a thread that
+# shares the GIL with training; fetching at least this many rows at a time and slicing them into
+# micro-batches here keeps that cost off small-batch runs.
+FETCH_ROWS = 512
 
-class _TaskCollate(NumpyBatchCollateFn):
-    """Ray Data's collate hook calling the task's ``collate``."""
 
-    def __init__(self, task: Task):
-        self.task = task
+def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: bool) -> Iterable[Any]:
+    """Cut NumPy batches into batches of ``size`` rows, each passed through ``collate``; rows
+    left over at the end of one fetched batch are joined with the next."""
+    import numpy as np
 
-    def __call__(self, batch):
-        return self.task.collate(batch)
+    rest: dict[str, Any] | None = None
+    for batch in fetched:
+        if rest is not None:
+            batch = {k: np.concatenate([rest[k], v]) for k, v in batch.items()}
+            rest = None
+        n = len(next(iter(batch.values())))
+        start = 0
+        while n - start >= size:
+            yield collate({k: v[start : start + size] for k, v in batch.items()})
+            start += size
+        if start < n:
+            rest = {k: v[start:] for k, v in batch.items()}
+    if rest is not None and not drop_last:
+        yield collate(rest)
 
 
 class Batches:
@@ -69,15 +84,16 @@ class Batches:
             return loader
         shard = ray.train.get_dataset_shard(split)
         train = split == "train"
+        size = self.cfg.data.batch_size if train else self.cfg.data.eval_batch_size
         shuffle = self.cfg.data.shuffle_buffer if train else 0
-        return shard.iter_torch_batches(
-            batch_size=self.cfg.data.batch_size if train else self.cfg.data.eval_batch_size,
-            collate_fn=_TaskCollate(self.task),
-            drop_last=train,
+        fetched = shard.iter_batches(
+            batch_size=size * max(1, -(-FETCH_ROWS // size)),
+            batch_format="numpy",
             local_shuffle_buffer_size=shuffle or None,
             local_shuffle_seed=(self.cfg.loop.seed * 100_003 + epoch * 1009 + self.rank) if shuffle else None,
-            prefetch_batches=2,
+            prefetch_batches=self.cfg.data.prefetch_batches,
         )
+        return sliced(fetched, size, self.task.collate, drop_last=train)
 
 
 def steps_in_epoch(config: Config, batches_per_epoch: int, epoch: int) -> int:
@@ -133,7 +149,9 @@ class Checkpointer:
         tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
         try:
             state = self.engine.state_dict()
-            files = {ckpt_files.rank_file(self.rank): {"rng": state.pop("rng"), "data": position, "world_size": self.world}}
+            files = {
+                ckpt_files.rank_file(self.rank): {"rng": state.pop("rng"), "data": position, "world_size": self.world}
+            }
             if self.rank == 0:
                 files[ckpt_files.STATE] = state
             ckpt_files.write_files(tmp, self.rank, files)

@@ -35,7 +35,7 @@ def write_digits_parquet(out_dir: Path, test_size: float = 0.25, seed: int = 0) 
     for split, (x, y) in {"train": (x_tr, y_tr), "test": (x_te, y_te)}.items():
         table = pa.table(
             {
-                "image": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 64),
+                "image": pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(x)),
                 "label": pa.array(y.astype(np.int64)),
             }
         )
