@@ -34,6 +34,7 @@ from raytrain_loops.engine.guards import (
     LossScaleError,
     NonFiniteError,
     OOMError,
+    TrainingError,
     first_nonfinite_grad,
     first_nonfinite_module,
     is_oom,
@@ -278,8 +279,9 @@ class Engine:
         if not (last and self._ddp and self.world_size > 1):
             return
         if self._dummy is None:
-            raise OOMError(
-                "a worker has no batch to join the gradient all-reduce with (no micro-batch has succeeded yet)"
+            raise TrainingError(
+                "a worker has no batch to join the gradient all-reduce with: its first micro-batch "
+                "failed or it had no data at all; check data.batch_size against the rows per worker"
             )
         with self._sync(True), autocast(self.config.precision, self.device):
             out = self.loss_fn(self.model, self._dummy, ctx)

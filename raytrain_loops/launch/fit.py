@@ -31,15 +31,15 @@ class FitResult:
     wall_time: float
 
 
-def run_name(config: Config) -> str:
-    """The run's name: ``run.name``, or the task name and a hash of everything that shapes the
-    result, so the same command maps to the same run directory."""
+def run_name(config: Config, task: Task) -> str:
+    """The run's name: ``run.name``, or the task's class name and a hash of everything that
+    shapes the result, so the same command maps to the same run directory."""
     if config.run.name:
         return config.run.name
     data = config.to_dict()
     data["run"] = {k: v for k, v in data["run"].items() if k not in ("storage_path", "progress")}
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
-    base = config.task.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower()
+    base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
 
 
@@ -125,7 +125,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     elif overrides:
         config = load_config(config.to_dict(), overrides)
     task, splits, rows = prepare(config, task)
-    name = run_name(config)
+    name = run_name(config, task)
     run_dir = storage.join(config.run.storage_path, name)
     storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
     print(f"run directory: {run_dir}", flush=True)

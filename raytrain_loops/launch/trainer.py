@@ -22,7 +22,7 @@ def scaling_config(config: Config) -> ray.train.ScalingConfig:
     return ray.train.ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources)
 
 
-def run_config(config: Config, name: str, callbacks: list[Any] | None = None) -> ray.train.RunConfig:
+def run_config(config: Config, name: str) -> ray.train.RunConfig:
     c = config.checkpoint
     return ray.train.RunConfig(
         name=name,
@@ -36,7 +36,6 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
             checkpoint_score_attribute=c.score_metric or None,
             checkpoint_score_order=c.score_mode,
         ),
-        callbacks=callbacks,
     )
 
 
@@ -69,8 +68,6 @@ def build_trainer(
     rows: dict[str, int],
     name: str,
     run_dir: str,
-    callbacks: list[Any] | None = None,
-    progress: bool = True,
 ) -> TorchTrainer:
     """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker."""
     datasets = {
@@ -82,13 +79,12 @@ def build_trainer(
         "splits": splits,
         "rows": rows,
         "run_dir": run_dir,
-        "progress": progress,
     }
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=payload,
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
         scaling_config=scaling_config(config),
-        run_config=run_config(config, name, callbacks),
+        run_config=run_config(config, name),
         datasets=datasets or None,
     )

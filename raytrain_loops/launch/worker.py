@@ -199,7 +199,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     engine = Engine(model, task.criterion, config, total_steps=total, task_param_groups=groups)
     checkpointer = Checkpointer(engine, rank, world)
     position = checkpointer.restore() or {"epoch": 0, "batches": 0}
-    log = RunLog(payload["run_dir"], rank, total, config.run.progress and payload.get("progress", True), engine.step)
+    log = RunLog(payload["run_dir"], rank, total, config.run.progress, engine.step)
     run_loop(engine, task, batches, config, total, position, checkpointer, log)
     log.close()
 
@@ -253,12 +253,15 @@ def run_loop(engine, task, batches, config, total, position, checkpointer, log) 
             ckpt_now = due(cfg.checkpoint.every_steps, engine.step)
             if eval_now or ckpt_now or due(cfg.run.report_every_steps, engine.step):
                 checkpoint_and_report(metrics, eval_now, ckpt_now, {"epoch": epoch, "batches": done * k})
-        for _ in stream:  # drain, so every shard's epoch ends together
+        if done < steps_this_epoch:
+            # Stopped at loop.max_steps inside the epoch: a resumed run continues right here.
+            position = {"epoch": epoch, "batches": done * k}
+            break
+        for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
             pass
         engine.epoch += 1
         position = {"epoch": engine.epoch, "batches": 0}
-        end_of_epoch = engine.step < total
-        if end_of_epoch and (cfg.eval.every_steps == 0 or cfg.checkpoint.every_steps == 0):
+        if engine.step < total and (cfg.eval.every_steps == 0 or cfg.checkpoint.every_steps == 0):
             checkpoint_and_report(metrics, cfg.eval.every_steps == 0, cfg.checkpoint.every_steps == 0, position)
     # The final evaluation, checkpoint and report take the same path as the periodic ones.
     metrics.update(engine.reduce_metrics())
