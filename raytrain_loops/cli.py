@@ -13,6 +13,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="built-in recipe name or YAML path")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. loop.epochs=3")
     sub.add_parser("recipes", help="list the built-in recipes")
+    submit = sub.add_parser("submit", help="train a recipe on a Ray cluster through the Ray Jobs API")
+    submit.add_argument("recipe", help="built-in recipe name or YAML path (inside --working-dir)")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    submit.add_argument(
+        "--address", default=None, help="the dashboard URL (default: RAY_ADDRESS or http://127.0.0.1:8265)"
+    )
+    submit.add_argument("--working-dir", default=None, help="a directory uploaded as the job's working directory")
+    submit.add_argument("--pip", action="append", default=None, help="a pip requirement for the job (repeatable)")
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
     return ap
 
 
@@ -30,6 +39,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in sorted(recipes.builtin().items()):
             print(f"{name:<16} {recipes.describe(path)}")
         return 0
+
+    if args.command == "submit":
+        import os
+
+        from raytrain_loops.launch.submit import submit
+
+        address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
+        try:
+            return submit(args.recipe, args.overrides, address, args.working_dir, args.pip, wait=not args.no_wait)
+        except ConfigError as err:
+            return _error(str(err))
+        except (RuntimeError, ConnectionError) as err:  # refused, unreachable, unauthenticated
+            print(f"raytrain-loops: submission to {address} failed: {err}", file=sys.stderr)
+            return 1
 
     from raytrain_loops.launch.fit import DataError
 

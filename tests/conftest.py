@@ -17,6 +17,6 @@ def ray_session():
 
     # Workers import test and example modules by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=4, dashboard_host="127.0.0.1", log_to_driver=True)
+    ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", log_to_driver=True)
     yield ray
     ray.shutdown()

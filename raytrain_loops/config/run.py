@@ -117,6 +117,9 @@ class ScalingConfig:
     use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
     cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = opt(
+        "PACK", "How workers are placed on nodes (Ray placement-group strategy); STRICT_SPREAD: one per node."
+    )
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:

@@ -111,7 +111,12 @@ def ensure_ray(config: Config) -> None:
     needed = s.num_workers * s.cpus_per_worker + 1  # + 1 for Ray Data's read tasks
     # The dashboard (on 127.0.0.1) serves the State API that Ray Train uses to clean up after a
     # controller that died; without it placement groups could outlive a failed run.
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), dashboard_host="127.0.0.1", log_to_driver=True)
+    ray.init(
+        address="local",  # a new instance, even when `ray start` left one running on this machine
+        num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+        dashboard_host="127.0.0.1",
+        log_to_driver=True,
+    )
 
 
 def fit(config: Config | dict | str | Path, task: Task | None = None, overrides: list[str] | None = None) -> FitResult:

@@ -19,7 +19,12 @@ def scaling_config(config: Config) -> ray.train.ScalingConfig:
     resources = {"CPU": s.cpus_per_worker}
     if s.use_gpu:
         resources["GPU"] = 1
-    return ray.train.ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources)
+    return ray.train.ScalingConfig(
+        num_workers=s.num_workers,
+        use_gpu=s.use_gpu,
+        resources_per_worker=resources,
+        placement_strategy=s.placement_strategy,
+    )
 
 
 def run_config(config: Config, name: str) -> ray.train.RunConfig:

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -149,9 +150,13 @@ class Checkpointer:
         tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
         try:
             state = self.engine.state_dict()
-            files = {
-                ckpt_files.rank_file(self.rank): {"rng": state.pop("rng"), "data": position, "world_size": self.world}
+            mine = {
+                "rng": state.pop("rng"),
+                "data": position,
+                "world_size": self.world,
+                "node_id": ray.get_runtime_context().get_node_id(),  # where this worker ran
             }
+            files = {ckpt_files.rank_file(self.rank): mine}
             if self.rank == 0:
                 files[ckpt_files.STATE] = state
             ckpt_files.write_files(tmp, self.rank, files)

@@ -1,0 +1,182 @@
+"""`ray job submit` end to end: a local head started with `ray start --head` (token auth on,
+dashboard on 127.0.0.1), runs submitted through the Jobs API, a two-node cluster, and a refused
+unauthenticated request.
+
+Each node runs `ray start --block` in its own session and is stopped by signalling that session
+only, so the suite's other Ray instance is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+VENV_BIN = Path(sys.executable).parent
+RAY = str(VENV_BIN / "ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One `ray start --block` process group."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = open(log, "w")  # noqa: SIM115 - the node writes to it until stop()
+        self.proc = subprocess.Popen(
+            [RAY, "start", "--block", *args],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        """SIGTERM (``--block`` then stops what it started), then SIGKILL for anything left in
+        the process group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+
+
+def _get(url: str, token: str | None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except urllib.error.URLError:
+        return 0  # not listening yet
+
+
+@pytest.fixture(scope="module")
+def head():
+    root = Path(tempfile.mkdtemp(prefix="rtl-head-"))  # short: Ray's socket paths have a length limit
+    token = secrets.token_hex(16)
+    (root / "token").write_text(token)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(root / "token"),
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    }
+    env.pop("RAY_ADDRESS", None)
+    gcs, dashboard = _free_port(), _free_port()
+    # Every port explicit: another Ray on this machine (the suite's own) holds the defaults.
+    ports = [
+        f"--port={gcs}",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+    ]
+    node = Node(["--head", "--dashboard-host=127.0.0.1", "--num-cpus=3", *ports], env, root / "head.log")
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 90
+        while _get(f"{url}/api/version", token) != 200:
+            if time.monotonic() > deadline or node.proc.poll() is not None:
+                raise AssertionError(f"the head did not come up:\n{(root / 'head.log').read_text()[-2000:]}")
+            time.sleep(1)
+    except BaseException:
+        node.stop()
+        raise
+    yield {"url": url, "gcs": f"127.0.0.1:{gcs}", "env": env, "token": token, "root": root}
+    node.stop()
+
+
+def _submit(
+    head, storage: Path, *overrides: str, env: dict[str, str] | None = None, recipe: str = "default"
+) -> subprocess.CompletedProcess:
+    args = [
+        "-m",
+        "raytrain_loops.cli",
+        "submit",
+        recipe,
+        "loop.max_steps=8",
+        "logging.every_steps=4",
+        f"run.storage_path={storage}",
+        f"data.dir={storage / 'data'}",
+        *overrides,
+        "--address",
+        head["url"],
+    ]
+    return subprocess.run([sys.executable, *args], env=env or head["env"], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.ray
+def test_submit_the_default_recipe_through_the_jobs_api(head, tmp_path):
+    # The recipe travels as a file in the job's uploaded working directory (a runtime env).
+    from raytrain_loops.recipes import resolve
+
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    (workdir / "digits.yaml").write_text(resolve("default").read_text())
+    out = _submit(head, tmp_path, "--working-dir", str(workdir), recipe=str(workdir / "digits.yaml"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "SUCCEEDED; results in " in out.stdout
+    run_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metrics"]["step"] == 8 and "eval_accuracy" in summary["metrics"]
+    assert "step 4/8" in out.stdout  # the job's progress lines were followed
+    assert "train digits.yaml loop.max_steps=8" in out.stdout  # the recipe, relative to the working dir
+
+
+@pytest.mark.ray
+def test_two_node_cluster_runs_one_training_worker_on_each_node(head, tmp_path):
+    ports = [
+        f"--{name}={_free_port()}"
+        for name in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    ]
+    worker = Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / "worker.log")
+    try:
+        out = _submit(head, tmp_path, "scaling.placement_strategy=STRICT_SPREAD")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+        run_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())
+        checkpoint = Path(json.loads((run_dir / "summary.json").read_text())["checkpoint"])
+        nodes = [torch.load(checkpoint / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
+        assert len(set(nodes)) == 2, nodes
+    finally:
+        worker.stop()
+
+
+def test_unauthenticated_requests_are_refused(head, tmp_path):
+    assert _get(f"{head['url']}/api/jobs/", None) == 401
+    assert _get(f"{head['url']}/api/jobs/", "0" * 32) == 403
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("f" * 32)
+    out = _submit(head, tmp_path, env={**head["env"], "RAY_AUTH_TOKEN_PATH": str(wrong)})
+    assert out.returncode != 0
+    assert "403" in out.stderr or "uthentica" in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.glob("*/summary.json"))
