@@ -25,6 +25,7 @@ __all__ = [
     "from_dict",
     "to_dict",
     "apply_overrides",
+    "set_dotted",
     "parse_override",
     "read_yaml",
     "field_help",
@@ -243,6 +244,24 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested plain dict, creating sections; a section is never replaced by a value."""
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value ({child!r}), not a section; cannot set {key}")
+        node = child
+    leaf = parts[-1]
+    if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+        example = "value" if "value" in node[leaf] else next(iter(node[leaf]), "name")
+        raise ConfigError(key, f"is a section; set one of its keys, for example {key}.{example}=...")
+    node[leaf] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply dotted ``key=value`` overrides to a nested plain dict (a copy is returned).
 
@@ -253,24 +272,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
     out = copy.deepcopy(data)
     for text in overrides:
-        key, value = parse_override(text)
-        parts = key.split(".")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"is a value ({child!r}), not a section; cannot set {key}")
-            node = child
-        leaf = parts[-1]
-        if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
-            raise ConfigError(
-                key,
-                "is a section; set one of its keys, for example "
-                + f"{key}.{'value' if 'value' in node[leaf] else next(iter(node[leaf]), 'name')}=...",
-            )
-        node[leaf] = value
+        set_dotted(out, *parse_override(text))
     return out
 
 

@@ -23,6 +23,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged."""
 
 
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """A SHA-256 of a state dict's names and tensor bytes: equal digests, equal weights."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 

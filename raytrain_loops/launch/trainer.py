@@ -27,7 +27,7 @@ def scaling_config(config: Config) -> ray.train.ScalingConfig:
     )
 
 
-def run_config(config: Config, name: str) -> ray.train.RunConfig:
+def run_config(config: Config, name: str, callbacks: list[Any] | None = None) -> ray.train.RunConfig:
     c = config.checkpoint
     return ray.train.RunConfig(
         name=name,
@@ -41,6 +41,7 @@ def run_config(config: Config, name: str) -> ray.train.RunConfig:
             checkpoint_score_attribute=c.score_metric or None,
             checkpoint_score_order=c.score_mode,
         ),
+        callbacks=callbacks,
     )
 
 
@@ -73,10 +74,15 @@ def build_trainer(
     rows: dict[str, int],
     name: str,
     run_dir: str,
+    callbacks: list[Any] | None = None,
+    init_checkpoint: str | None = None,
 ) -> TorchTrainer:
-    """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker."""
+    """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
+    ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's)."""
     datasets = {
-        name: parquet_dataset(split, config) for name, split in splits.items() if isinstance(split, ParquetSplit)
+        split_name: parquet_dataset(split, config)
+        for split_name, split in splits.items()
+        if isinstance(split, ParquetSplit)
     }
     payload = {
         "config": config.to_dict(),
@@ -84,12 +90,13 @@ def build_trainer(
         "splits": splits,
         "rows": rows,
         "run_dir": run_dir,
+        "init_checkpoint": init_checkpoint,
     }
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=payload,
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
         scaling_config=scaling_config(config),
-        run_config=run_config(config, name),
+        run_config=run_config(config, name, callbacks),
         datasets=datasets or None,
     )

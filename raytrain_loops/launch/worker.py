@@ -4,6 +4,7 @@ checkpoints. All training math lives in :mod:`raytrain_loops.engine`."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from raytrain_loops.engine.loop import accum_steps, timed_groups
 from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.precision import autocast
 from raytrain_loops.engine.rng import seed_everything
+from raytrain_loops.launch import storage
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.tasks import MapSplit, Task
 
@@ -134,6 +136,7 @@ class Checkpointer:
 
     def __init__(self, engine: Engine, rank: int, world: int):
         self.engine, self.rank, self.world = engine, rank, world
+        self.loaded: dict[str, str] | None = None  # what restore() loaded: path and model digest
 
     def report(self, metrics: dict[str, Any], position: dict[str, int] | None) -> None:
         """``ray.train.report`` on every worker; with a checkpoint when ``position`` is given.
@@ -170,9 +173,12 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def restore(self) -> dict[str, int] | None:
-        """Load the latest checkpoint Ray hands this worker; return the data position."""
+    def restore(self, init_checkpoint: str | None = None) -> dict[str, int] | None:
+        """Load the latest checkpoint of this run (Ray hands it over after a restart), else
+        ``init_checkpoint`` (another run's, e.g. a PBT donor's); return the data position."""
         checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None and init_checkpoint:
+            checkpoint = ray.train.Checkpoint(init_checkpoint)
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as d:
@@ -180,6 +186,7 @@ class Checkpointer:
             shared = ckpt_files.read_file(d, ckpt_files.STATE)
             mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank))
         self.engine.load_state_dict({**shared, "rng": mine["rng"]})
+        self.loaded = {"checkpoint": checkpoint.path, "model_sha256": ckpt_files.digest(shared["model"])}
         return mine["data"]
 
 
@@ -203,7 +210,9 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     total = total_steps(config, batches.batches_per_epoch)
     engine = Engine(model, task.criterion, config, total_steps=total, task_param_groups=groups)
     checkpointer = Checkpointer(engine, rank, world)
-    position = checkpointer.restore() or {"epoch": 0, "batches": 0}
+    position = checkpointer.restore(payload.get("init_checkpoint")) or {"epoch": 0, "batches": 0}
+    if rank == 0 and checkpointer.loaded:
+        storage.write_text(storage.join(payload["run_dir"], "init.json"), json.dumps(checkpointer.loaded) + "\n")
     log = RunLog(payload["run_dir"], rank, total, config.run.progress, engine.step)
     run_loop(engine, task, batches, config, total, position, checkpointer, log)
     log.close()
@@ -214,6 +223,7 @@ def run_loop(engine, task, batches, config, total, position, checkpointer, log) 
     more at the end through the same path. Every worker reaches every collective and report."""
     cfg = config
     metrics: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
     calls = 0
 
     def due(every: int, step: int) -> bool:
@@ -222,11 +232,11 @@ def run_loop(engine, task, batches, config, total, position, checkpointer, log) 
     def checkpoint_and_report(
         step_metrics: dict[str, float], eval_now: bool, ckpt_now: bool, epoch_pos: dict[str, int]
     ):
-        out = {**step_metrics, "step": engine.step, "epoch": engine.epoch}
         if eval_now and batches.has_eval:
-            ev = evaluate(engine, task, batches, cfg, engine.epoch)
-            log.evaluation(ev, engine.step, engine.epoch)
-            out.update(ev)
+            last_eval.update(evaluate(engine, task, batches, cfg, engine.epoch))
+            log.evaluation(last_eval, engine.step, engine.epoch)
+        # Every report carries the latest evaluation, so a sweep's metric is in each of them.
+        out = {**step_metrics, **last_eval, "step": engine.step, "epoch": engine.epoch}
         if ckpt_now:
             log.sync()
         checkpointer.report(out, epoch_pos if ckpt_now else None)
