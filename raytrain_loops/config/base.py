@@ -22,6 +22,7 @@ T = TypeVar("T")
 __all__ = [
     "ConfigError",
     "opt",
+    "at_least",
     "from_dict",
     "to_dict",
     "apply_overrides",
@@ -45,6 +46,14 @@ class ConfigError(ValueError):
         if not prefix:
             return self
         return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.reason)
+
+
+def at_least(obj: Any, minimum: float, *keys: str) -> None:
+    """Raise ConfigError naming the first of ``keys`` (fields of ``obj``) below ``minimum``."""
+    for key in keys:
+        value = getattr(obj, key)
+        if value < minimum:
+            raise ConfigError(key, f"must be >= {minimum:g}; got {value}")
 
 
 def opt(default: Any, help: str) -> Any:

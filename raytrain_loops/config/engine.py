@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from raytrain_loops.config.base import ConfigError, opt
+from raytrain_loops.config.base import ConfigError, at_least, opt
 
 __all__ = [
     "Schedule",
@@ -36,8 +36,7 @@ class Schedule:
     gamma: float = opt(0.1, "Factor applied at each milestone for kind=step.")
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ConfigError("warmup_steps", f"must be >= 0; got {self.warmup_steps}")
+        at_least(self, 0, "warmup_steps")
         if self.kind == "step" and sorted(self.milestones) != list(self.milestones):
             raise ConfigError("milestones", f"must be increasing; got {self.milestones}")
         if any(m <= 0 for m in self.milestones):
@@ -94,8 +93,7 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         if self.init_scale <= 0:
             raise ConfigError("init_scale", f"must be > 0; got {self.init_scale}")
-        if self.growth_interval < 1:
-            raise ConfigError("growth_interval", f"must be >= 1; got {self.growth_interval}")
+        at_least(self, 1, "growth_interval")
         if self.min_scale <= 0:
             raise ConfigError("min_scale", f"must be > 0; got {self.min_scale}")
 
@@ -108,10 +106,8 @@ class AccumConfig:
     start_epoch: int = opt(0, "Accumulate only from this epoch on; before it one micro-batch per update (cvnets).")
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ConfigError("steps", f"must be >= 1; got {self.steps}")
-        if self.start_epoch < 0:
-            raise ConfigError("start_epoch", f"must be >= 0; got {self.start_epoch}")
+        at_least(self, 1, "steps")
+        at_least(self, 0, "start_epoch")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,8 +145,7 @@ class FreezeConfig:
     def __post_init__(self) -> None:
         import re
 
-        if self.last_layer_epochs < 0:
-            raise ConfigError("last_layer_epochs", f"must be >= 0; got {self.last_layer_epochs}")
+        at_least(self, 0, "last_layer_epochs")
         try:
             re.compile(self.last_layer_pattern)
         except re.error as err:
@@ -168,8 +163,7 @@ class EMAConfig:
     every: int = opt(1, "Update the EMA every this many optimizer steps.")
 
     def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ConfigError("every", f"must be >= 1; got {self.every}")
+        at_least(self, 1, "every")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,8 +176,7 @@ class NonFiniteConfig:
     max_consecutive: int = opt(5, "skip: this many skipped updates in a row stop the run.")
 
     def __post_init__(self) -> None:
-        if self.max_consecutive < 1:
-            raise ConfigError("max_consecutive", f"must be >= 1; got {self.max_consecutive}")
+        at_least(self, 1, "max_consecutive")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,8 +189,7 @@ class OOMConfig:
     max_consecutive: int = opt(3, "skip: this many skipped updates in a row stop the run.")
 
     def __post_init__(self) -> None:
-        if self.max_consecutive < 1:
-            raise ConfigError("max_consecutive", f"must be >= 1; got {self.max_consecutive}")
+        at_least(self, 1, "max_consecutive")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -207,5 +199,4 @@ class LoggingConfig:
     every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
 
     def __post_init__(self) -> None:
-        if self.every_steps < 1:
-            raise ConfigError("every_steps", f"must be >= 1; got {self.every_steps}")
+        at_least(self, 1, "every_steps")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raytrain_loops.config.base import ConfigError, apply_overrides, from_dict, opt, read_yaml, to_dict
+from raytrain_loops.config.base import ConfigError, apply_overrides, at_least, from_dict, opt, read_yaml, to_dict
 from raytrain_loops.config.engine import (
     AccumConfig,
     ClipConfig,
@@ -52,10 +52,8 @@ class LoopConfig:
     seed: int = opt(0, "Seed for initialisation, data order and dropout (each worker offsets it by its rank).")
 
     def __post_init__(self) -> None:
-        if self.max_steps < 0:
-            raise ConfigError("max_steps", f"must be >= 0; got {self.max_steps}")
-        if self.epochs < 1:
-            raise ConfigError("epochs", f"must be >= 1; got {self.epochs}")
+        at_least(self, 0, "max_steps")
+        at_least(self, 1, "epochs")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,12 +71,8 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "eval_batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(key, f"must be >= 1; got {getattr(self, key)}")
-        for key in ("shuffle_buffer", "loader_workers", "prefetch_batches"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, f"must be >= 0; got {getattr(self, key)}")
+        at_least(self, 1, "batch_size", "eval_batch_size")
+        at_least(self, 0, "shuffle_buffer", "loader_workers", "prefetch_batches")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,8 +83,7 @@ class EvalConfig:
     ema: bool = opt(True, "Also evaluate the EMA weights (metrics prefixed ema_) when ema.enabled.")
 
     def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ConfigError("every_steps", f"must be >= 0; got {self.every_steps}")
+        at_least(self, 0, "every_steps")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,10 +96,8 @@ class CheckpointConfig:
     score_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower score_metric is better.")
 
     def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ConfigError("every_steps", f"must be >= 0; got {self.every_steps}")
-        if self.keep < 1:
-            raise ConfigError("keep", f"must be >= 1; got {self.keep}")
+        at_least(self, 0, "every_steps")
+        at_least(self, 1, "keep")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,12 +113,9 @@ class ScalingConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ConfigError("num_workers", f"must be >= 1; got {self.num_workers}")
-        if self.cpus_per_worker < 0:
-            raise ConfigError("cpus_per_worker", f"must be >= 0; got {self.cpus_per_worker}")
-        if self.threads_per_worker < 0:
-            raise ConfigError("threads_per_worker", f"must be >= 0; got {self.threads_per_worker}")
+        at_least(self, 1, "num_workers")
+        at_least(self, 0, "cpus_per_worker")
+        at_least(self, 0, "threads_per_worker")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,8 +135,7 @@ class RunConfig:
             raise ConfigError("name", f"must be letters, digits, '_', '.', '-'; got {self.name!r}")
         if self.max_failures < -1:
             raise ConfigError("max_failures", f"must be >= -1 (-1: unlimited); got {self.max_failures}")
-        if self.report_every_steps < 1:
-            raise ConfigError("report_every_steps", f"must be >= 1; got {self.report_every_steps}")
+        at_least(self, 1, "report_every_steps")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raytrain_loops.config.base import ConfigError, from_dict, opt, read_yaml, set_dotted
+from raytrain_loops.config.base import ConfigError, at_least, from_dict, opt, read_yaml, set_dotted
 from raytrain_loops.config.run import Config
 
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "grid")
@@ -55,8 +55,7 @@ class TrialConfig:
     use_gpu: bool = opt(False, "One GPU per training worker.")
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ConfigError("num_workers", f"must be >= 1; got {self.num_workers}")
+        at_least(self, 1, "num_workers")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -77,8 +76,7 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.space:
             raise ConfigError("space", "is empty: give at least one dotted key to search over")
-        if self.num_samples < 1:
-            raise ConfigError("num_samples", f"must be >= 1; got {self.num_samples}")
+        at_least(self, 1, "num_samples")
         for key, spec in self.space.items():
             _check_distribution(f"space.{key}", spec)
         if self.search.algorithm == "optuna" and any("grid" in spec for spec in self.space.values()):
