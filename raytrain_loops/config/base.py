@@ -29,7 +29,6 @@ __all__ = [
     "set_dotted",
     "parse_override",
     "read_yaml",
-    "field_help",
 ]
 
 
@@ -63,14 +62,6 @@ def opt(default: Any, help: str) -> Any:
 
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
-
-
-def field_help(cls: type, name: str) -> str:
-    """The help text of field ``name`` of config class ``cls``."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f.metadata.get("help", "")
-    raise KeyError(name)
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_loops.config import Config, load_config
+from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.fit import ensure_ray, prepare
@@ -81,10 +81,6 @@ class _Relay:
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         self.queue.put((dict(metrics[0]), checkpoint.path if checkpoint else None))
-
-    # The remaining UserCallback hooks do nothing.
-    def after_exception(self, run_context, worker_exceptions) -> None:
-        pass
 
 
 def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
@@ -157,14 +153,8 @@ def _concurrency(sweep: SweepConfig) -> int:
 def sweep_name(base: Config, sweep: SweepConfig, task: Task) -> str:
     if sweep.name:
         return sweep.name
-    blob = json.dumps({"base": base.to_dict(), "sweep": _plain(sweep)}, sort_keys=True)
+    blob = json.dumps({"base": base.to_dict(), "sweep": to_dict(sweep)}, sort_keys=True)
     return f"{type(task).__name__.removesuffix('Task').lower() or 'task'}-sweep-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
-
-
-def _plain(sweep: SweepConfig) -> dict[str, Any]:
-    from raytrain_loops.config import to_dict
-
-    return to_dict(sweep)
 
 
 def tune(
