@@ -1,6 +1,7 @@
 """raytrain_loops: the research training loop as one configurable engine, scaled out with Ray.
 
-``fit(config, task=None)`` trains on Ray Train; ``Task`` is how your model, criterion and data
+``fit(config, task=None)`` trains on Ray Train; ``tune(config, sweep)`` runs a Ray Tune search
+whose trials are Ray Train runs; ``Task`` is how your model, criterion and data
 plug in; ``LossOutput`` is what a criterion returns.
 """
 
@@ -22,6 +23,7 @@ __all__ = [
     "Task",
     "fit",
     "load_config",
+    "tune",
 ]
 
 
@@ -30,3 +32,10 @@ def fit(config: Any, task: Task | None = None, overrides: list[str] | None = Non
     from raytrain_loops.launch.fit import fit as _fit
 
     return _fit(config, task=task, overrides=overrides)
+
+
+def tune(config: Any, sweep: Any, task: Task | None = None, overrides: list[str] | None = None):
+    """A Ray Tune search over ``config``; see :func:`raytrain_loops.launch.tune.tune`."""
+    from raytrain_loops.launch.tune import tune as _tune
+
+    return _tune(config, sweep, task=task, overrides=overrides)

@@ -12,6 +12,10 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe on Ray Train (a local Ray, or the cluster in RAY_ADDRESS)")
     train.add_argument("recipe", help="built-in recipe name or YAML path")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. loop.epochs=3")
+    sweep = sub.add_parser("tune", help="a Ray Tune search over a recipe; every trial a multi-worker Ray Train run")
+    sweep.add_argument("recipe", help="built-in recipe name or YAML path")
+    sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
+    sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
     sub.add_parser("recipes", help="list the built-in recipes")
     submit = sub.add_parser("submit", help="train a recipe on a Ray cluster through the Ray Jobs API")
     submit.add_argument("recipe", help="built-in recipe name or YAML path (inside --working-dir)")
@@ -58,16 +62,24 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(recipes.resolve(args.recipe), args.overrides)
-        from raytrain_loops.launch.fit import fit
+        if args.command == "tune":
+            from raytrain_loops.launch.tune import tune
 
-        result = fit(config)
+            swept = tune(config, args.sweep)
+        else:
+            from raytrain_loops.launch.fit import fit
+
+            result = fit(config)
     except (ConfigError, DataError) as err:
         return _error(str(err))
     except Exception as err:  # a failed run: show its root cause, not Ray's wrapping
         from raytrain_loops.launch.errors import root_cause
 
-        print(f"raytrain-loops: training failed: {root_cause(err)}", file=sys.stderr)
+        print(f"raytrain-loops: {args.command} failed: {root_cause(err)}", file=sys.stderr)
         return 1
+    if args.command == "tune":
+        print(f"sweep directory: {swept.sweep_dir}")
+        return 0
     shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
     print(f"finished in {result.wall_time:.1f}s: {shown}")
     print(f"run directory: {result.run_dir}")

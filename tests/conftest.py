@@ -15,8 +15,10 @@ def ray_session():
     """A local Ray with 4 logical CPUs: two 1-CPU training workers and room for Ray Data."""
     import ray
 
+    from raytrain_loops.launch.fit import start_local_ray
+
     # Workers import test and example modules by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", num_cpus=4, dashboard_host="127.0.0.1", log_to_driver=True)
+    start_local_ray(4)
     yield ray
     ray.shutdown()

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
 import pytest
+import yaml
 
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.config.sweep import load_sweep
@@ -32,9 +42,160 @@ from raytrain_loops.recipes import resolve
         ),
         ({"space": {"accum.steps": {"grid": [1]}}, "mode": "maximum"}, "mode", "one of 'max', 'min'"),
         ({"space": {}}, "space", "is empty"),
+        (
+            {"space": {"accum.steps": {"choice": [1, 2]}}, "search": {"points": [{"accum.step": 1}]}},
+            "search.points[0]",
+            "must give a value for each key of the space (accum.steps)",
+        ),
+        (
+            {"space": {"accum.steps": {"choice": [1, 2]}}, "search": {"points": [{"accum.steps": 0}]}},
+            "search.points[0]",
+            "must be >= 1",
+        ),
     ],
 )
 def test_an_invalid_sweep_names_the_key(sweep, key, fragment):
     with pytest.raises(ConfigError) as info:
         load_sweep(sweep, load_config(resolve("default")))
     assert info.value.key == key and fragment in str(info.value)
+
+
+def _sweep(tmp_path, **fields):
+    return {
+        "metric": "eval_accuracy",
+        "mode": "max",
+        "max_concurrent_trials": 2,
+        "trial": {"num_workers": 2, "cpus_per_worker": 0.5},
+        "storage_path": str(tmp_path / "sweeps"),
+        **fields,
+    }
+
+
+TINY = ["schedules.lr.warmup_steps=0", "logging.every_steps=5"]
+
+
+@pytest.mark.ray
+def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_session, tmp_path):
+    from raytrain_loops import tune
+
+    sweep = _sweep(
+        tmp_path,
+        name="asha",
+        num_samples=2,
+        space={"schedules.lr.value": {"grid": [1.0e-5, 3.0e-3]}},
+        scheduler={"name": "asha", "grace_period": 10, "reduction_factor": 2},
+    )
+    result = tune(resolve("default"), sweep, overrides=[*TINY, "loop.max_steps=40", f"data.dir={tmp_path / 'data'}"])
+
+    table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
+    assert len(table) == 4 and (table["error"].isna()).all(), table
+    assert sorted(table["trial"]) == ["trial_00000", "trial_00001", "trial_00002", "trial_00003"]
+    # ASHA stopped at least one trial at a rung (step 10 or 20); the best ran to the end.
+    assert (table["steps"] < 40).any() and (table["steps"] == 40).any(), table
+    best = table.loc[table["eval_accuracy"].idxmax()]
+    assert best["schedules.lr.value"] == 3.0e-3 and best["steps"] == 40
+    assert result.best_values == {"schedules.lr.value": 3.0e-3}
+    # best.yaml is a recipe `train` accepts, with the best value in it.
+    recipe = load_config(Path(result.sweep_dir) / "best.yaml")
+    assert recipe.schedules["lr"].value == 3.0e-3 and recipe.scaling.num_workers == 2
+    assert recipe.run.storage_path == load_config(resolve("default")).run.storage_path
+    assert (Path(result.sweep_dir) / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
+    # Each trial's Train run (checkpoints, logs) lives under the sweep.
+    assert sorted(p.name for p in (Path(result.sweep_dir) / "trials").iterdir()) == list(table["trial"].sort_values())
+
+
+@pytest.mark.ray
+def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
+    from raytrain_loops import tune
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    sweep = _sweep(
+        tmp_path,
+        name="pbt",
+        num_samples=2,
+        space={"schedules.lr.value": {"choice": [1.0e-5, 3.0e-3]}},
+        # A population of a poor and a good learning rate: the poor one is exploited.
+        search={"points": [{"schedules.lr.value": 1.0e-5}, {"schedules.lr.value": 3.0e-3}]},
+        scheduler={"name": "pbt", "perturbation_interval": 10, "quantile_fraction": 0.5},
+    )
+    overrides = [*TINY, "loop.max_steps=40", "checkpoint.keep=10", f"data.dir={tmp_path / 'data'}"]
+    result = tune(resolve("default"), sweep, overrides=overrides)
+
+    trials = Path(result.sweep_dir) / "trials"
+    handed = sorted(trials.glob("*-from-*/init.json"))
+    assert handed, sorted(p.name for p in trials.iterdir())
+    sources = {}
+    for init in handed:
+        loaded = json.loads(init.read_text())["model_sha256"]
+        # Each continuation loaded the weights of a checkpoint some trial's own Train run wrote.
+        sources[init.parent.name] = {
+            d.parent.name
+            for d in trials.glob("*/checkpoint_0*")
+            if ckpt.digest(ckpt.read_file(d, ckpt.STATE)["model"]) == loaded
+        }
+    assert all(sources.values()), sources
+    # An exploit: a trial continued from another trial's weights (a paused trial resumes from its own).
+    assert any(src - {name.split("-from-")[0]} for name, src in sources.items()), sources
+
+
+@pytest.mark.ray
+def test_an_interrupted_sweep_resumes_when_run_again(tmp_path):
+    """`raytrain-loops tune` stopped by Ctrl-C mid-sweep; the same command finishes it without
+    rerunning the trial that had finished."""
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(
+        yaml.safe_dump(
+            _sweep(
+                tmp_path,
+                name="resumable",
+                max_concurrent_trials=1,
+                space={"schedules.lr.value": {"grid": [1.0e-3, 3.0e-3]}},
+                num_samples=1,
+            )
+        )
+    )
+    command = [
+        sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=20",
+        f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    trials = tmp_path / "sweeps" / "resumable" / "trials"
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 240
+    # Interrupt once the first trial has written its final checkpoint and the second has started.
+    while not ((trials / "trial_00000" / "checkpoint_00000020").exists() and (trials / "trial_00001").exists()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.5)
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=120)
+
+    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming the sweep" in second.stdout
+    table = pd.read_csv(tmp_path / "sweeps" / "resumable" / "results.csv")
+    assert sorted(table["trial"]) == ["trial_00000", "trial_00001"] and (table["steps"] == 20).all(), table
+    # The finished trial was not run again: each of its steps was logged once.
+    steps = [json.loads(line)["step"] for line in (trials / "trial_00000" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
+
+
+@pytest.mark.ray
+def test_optuna_search_proposes_trials_within_the_space(ray_session, tmp_path):
+    from raytrain_loops import tune
+
+    sweep = _sweep(
+        tmp_path,
+        name="optuna",
+        num_samples=2,
+        space={"schedules.lr.value": {"loguniform": [1.0e-4, 1.0e-2]}, "data.batch_size": {"choice": [16, 32]}},
+        search={"algorithm": "optuna", "seed": 3},
+    )
+    result = tune(resolve("default"), sweep, overrides=[*TINY, "loop.max_steps=10", f"data.dir={tmp_path / 'data'}"])
+    table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
+    assert len(table) == 2 and table["error"].isna().all() and (table["steps"] == 10).all(), table
+    assert table["schedules.lr.value"].between(1.0e-4, 1.0e-2).all() and table["data.batch_size"].isin([16, 32]).all()
+    assert table["schedules.lr.value"].nunique() == 2
+    # Tune saved the Optuna searcher's state (its study) with the sweep.
+    assert list(Path(result.sweep_dir).glob("searcher-state-*.pkl")), sorted(
+        p.name for p in Path(result.sweep_dir).iterdir()
+    )

@@ -21,6 +21,9 @@ class SearchConfig:
         "random", "random (and grid entries), or Optuna's TPE (extra 'optuna')."
     )
     seed: int = opt(0, "Seed of the search.")
+    points: list[dict[str, Any]] = opt(
+        [], "Trials to run first, each a {dotted key: value} of the space (e.g. the recipe's own values)."
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,4 +143,14 @@ def load_sweep(source: str | dict[str, Any], base: Config) -> SweepConfig:
                 trial_config(base_dict, {key: value})
             except ConfigError as err:
                 raise ConfigError(f"space.{key}", f"{value!r} is not a valid value there ({err})") from None
+    for i, point in enumerate(sweep.search.points):
+        where = f"search.points[{i}]"
+        if not isinstance(point, dict) or set(point) != set(sweep.space):
+            raise ConfigError(
+                where, f"must give a value for each key of the space ({', '.join(sweep.space)}); got {point!r}"
+            )
+        try:
+            trial_config(base_dict, point)
+        except ConfigError as err:
+            raise ConfigError(where, f"is not a valid trial ({err})") from None
     return sweep

@@ -28,7 +28,7 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
         h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -92,9 +93,10 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
     return task, splits, rows
 
 
-def ensure_ray(config: Config) -> None:
+def ensure_ray(config: Config, num_cpus: float = 0) -> None:
     """Join the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), or start a local one
-    with CPU left over for Ray Data beside the training workers."""
+    with CPU left over for Ray Data beside the training workers (``num_cpus``: at least this
+    many logical CPUs)."""
     import ray
     import ray.data
 
@@ -108,14 +110,35 @@ def ensure_ray(config: Config) -> None:
         ray.init(log_to_driver=True)
         return
     s = config.scaling
-    needed = s.num_workers * s.cpus_per_worker + 1  # + 1 for Ray Data's read tasks
-    # The dashboard (on 127.0.0.1) serves the State API that Ray Train uses to clean up after a
-    # controller that died; without it placement groups could outlive a failed run.
+    needed = max(num_cpus, s.num_workers * s.cpus_per_worker + 1)  # + 1 for Ray Data's read tasks
+    start_local_ray(max(os.cpu_count() or 1, math.ceil(needed)))
+
+
+def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """A new local Ray instance whose dashboard (on 127.0.0.1) every process of it can find.
+
+    Ray Train cleans up after a controller that died (a stopped Tune trial, a killed driver)
+    through the State API, which it finds through the dashboard's address. Without
+    ``RAY_API_SERVER_ADDRESS`` it would look for the cluster ``ray start`` last recorded on this
+    machine, which is not this instance (or no longer exists), and the dead controller's
+    placement groups would hold their CPUs forever.
+    """
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Set before ray.init: the raylet and every worker inherit the driver's environment.
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     ray.init(
         address="local",  # a new instance, even when `ray start` left one running on this machine
-        num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+        num_cpus=num_cpus,
         dashboard_host="127.0.0.1",
+        dashboard_port=port,
         log_to_driver=True,
+        **kwargs,
     )
 
 

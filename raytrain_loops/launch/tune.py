@@ -1,8 +1,5 @@
 """``tune(config, sweep)``: a Ray Tune search in which every trial is a multi-worker Ray Train run.
 
-Work in progress (not yet on the CLI): with ASHA on this 2-core machine, after trials are
-stopped early a later trial's worker group can wait for resources that are never released.
-
 Each trial is a small driver function that builds a TorchTrainer for its config and relays the
 Train run's reports to Tune: metrics (already averaged over all workers by the loop) and the
 checkpoint, so PBT can hand a donor's checkpoint to an exploiting trial, which then starts a new
@@ -95,13 +92,13 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
         pass
 
     config = trial_config(payload["base"], values)
-    trial_id = tune.get_context().get_trial_id()
+    trial = tune.get_context().get_trial_name()
     donor = tune.get_checkpoint()
     init = donor.path if donor is not None else None
     # After a PBT exploit the trial starts a new Train run from the donor's checkpoint (reusing
     # its own run name would make Ray Train resume the trial's old state instead).
-    name = trial_id if init is None else f"{trial_id}-from-{hashlib.sha256(init.encode()).hexdigest()[:8]}"
-    run_dir = storage.join(payload["trials_dir"], name)
+    name = trial if init is None else f"{trial}-from-{hashlib.sha256(init.encode()).hexdigest()[:8]}"
+    run_dir = storage.join(config.run.storage_path, name)
     queue = Queue(maxsize=4, actor_options={"num_cpus": 0})
     trainer = build_trainer(
         config,
@@ -131,13 +128,27 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
                 break
             continue
         metrics["trial_run"] = name
-        tune.report(metrics, checkpoint=tune.Checkpoint(checkpoint) if checkpoint else None)
+        # Only PBT needs Tune to hold checkpoints (to hand them over); the Train run keeps its own.
+        handed = tune.Checkpoint(checkpoint) if checkpoint and payload["hand_over"] else None
+        tune.report(metrics, checkpoint=handed)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
 
 
+def _trial_name(trial) -> str:
+    """``trial_00003``: the same for the same sweep, so reruns and restores find their trials."""
+    return f"trial_{trial.trial_id.rsplit('_', 1)[-1]}"
+
+
+def _per_trial_cpus(sweep: SweepConfig) -> float:
+    t = sweep.trial
+    return (0 if t.use_gpu else t.num_workers * t.cpus_per_worker) + DRIVER_CPUS
+
+
 def _concurrency(sweep: SweepConfig) -> int:
+    """``max_concurrent_trials``, or as many trials as the cluster's GPUs (or CPUs, one left to
+    Ray Data) hold at once."""
     import ray
 
     if sweep.max_concurrent_trials:
@@ -146,8 +157,7 @@ def _concurrency(sweep: SweepConfig) -> int:
     t = sweep.trial
     if t.use_gpu:
         return max(1, int(resources.get("GPU", 0) // t.num_workers))
-    per_trial = t.num_workers * t.cpus_per_worker + DRIVER_CPUS
-    return max(1, math.floor((resources.get("CPU", 1) - 1) / per_trial))  # one CPU left to Ray Data
+    return max(1, math.floor((resources.get("CPU", 1) - 1) / _per_trial_cpus(sweep)))
 
 
 def sweep_name(base: Config, sweep: SweepConfig, task: Task) -> str:
@@ -170,20 +180,25 @@ def tune(
         else load_config(config if not isinstance(config, Config) else config.to_dict(), overrides)
     )
     sweep = sweep if isinstance(sweep, SweepConfig) else load_sweep(sweep, base)
+    user_run = base.to_dict()["run"]
     base = load_config(base.to_dict(), _sweep_overrides(sweep))
     task, splits, rows = prepare(base, task)
     name = sweep_name(base, sweep, task)
     root = storage.join(sweep.storage_path)
     sweep_dir = storage.join(root, name)
+    # Each trial's Train run (its checkpoints and logs) under the sweep: trials/<trial>.
+    base = load_config(base.to_dict(), [f"run.storage_path={storage.join(sweep_dir, 'trials')}"])
     print(f"sweep directory: {sweep_dir}", flush=True)
 
     # Trials share the cluster: a trial's workers may wait for those of a trial that just ended.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
-    ensure_ray(base)
+    # A local Ray holds the trials asked to run at once (logical CPUs may exceed the cores).
+    ensure_ray(base, num_cpus=sweep.max_concurrent_trials * _per_trial_cpus(sweep) + 1)
     from ray import tune as rt
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
+    concurrency = _concurrency(sweep)
     s = sweep.scheduler
     length = total_steps(base, rows["train"] // base.scaling.num_workers // base.data.batch_size)
     if s.name == "asha":
@@ -207,16 +222,19 @@ def tune(
     if sweep.search.algorithm == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        search = OptunaSearch(seed=sweep.search.seed)
+        search = OptunaSearch(seed=sweep.search.seed, points_to_evaluate=sweep.search.points or None)
     else:
-        search = BasicVariantGenerator(random_state=sweep.search.seed)
+        # Tune applies max_concurrent_trials to a searcher it builds, not to one given to it.
+        search = BasicVariantGenerator(
+            random_state=sweep.search.seed, max_concurrent=concurrency, points_to_evaluate=sweep.search.points or None
+        )
 
     payload = {
         "base": base.to_dict(),
         "task": task,
         "splits": splits,
         "rows": rows,
-        "trials_dir": storage.join(sweep_dir, "trials"),
+        "hand_over": s.name == "pbt",
     }
     trainable = rt.with_resources(rt.with_parameters(_trial, payload=payload), {"CPU": DRIVER_CPUS})
     if rt.Tuner.can_restore(sweep_dir):
@@ -232,18 +250,22 @@ def tune(
                 num_samples=sweep.num_samples,
                 scheduler=scheduler,
                 search_alg=search,
-                max_concurrent_trials=_concurrency(sweep),
+                max_concurrent_trials=None if isinstance(search, BasicVariantGenerator) else concurrency,
                 # A stopped trial's actor must go, taking its Ray Train run (which it owns) with it;
                 # a reused actor would keep that run's workers and their resources.
                 reuse_actors=False,
+                trial_name_creator=_trial_name,
+                trial_dirname_creator=_trial_name,
             ),
-            run_config=rt.RunConfig(name=name, storage_path=root),
+            # PBT hands over a trial's latest checkpoint; keeping a few lets an exploit that was
+            # decided on a slightly older one still find it.
+            run_config=rt.RunConfig(name=name, storage_path=root, checkpoint_config=rt.CheckpointConfig(num_to_keep=4)),
         )
     results = tuner.fit()
-    return _write_outputs(results, sweep, base, sweep_dir)
+    return _write_outputs(results, sweep, base, user_run, sweep_dir)
 
 
-def _write_outputs(results, sweep: SweepConfig, base: Config, sweep_dir: str) -> SweepResult:
+def _write_outputs(results, sweep: SweepConfig, base: Config, user_run: dict, sweep_dir: str) -> SweepResult:
     """results.csv, the printed table, best.yaml (a recipe) and metric_per_trial.png."""
     import pandas as pd
 
@@ -266,10 +288,10 @@ def _write_outputs(results, sweep: SweepConfig, base: Config, sweep_dir: str) ->
     os.makedirs(sweep_dir, exist_ok=True)
     table.to_csv(os.path.join(sweep_dir, "results.csv"), index=False)
     print(table.to_string(index=False), flush=True)
-    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="all")
+    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
     values = {k: best.config[k] for k in keys}
     recipe = trial_config(base.to_dict(), values).to_dict()
-    recipe["run"]["progress"] = True
+    recipe["run"] = user_run  # the trial's settings, the user's run name and storage
     Path(sweep_dir, "best.yaml").write_text(
         f"# The best trial of the sweep in {sweep_dir} ({sweep.metric} = {best.metrics.get(sweep.metric)}).\n"
         f"#   raytrain-loops train {os.path.join(sweep_dir, 'best.yaml')}\n" + yaml.safe_dump(recipe, sort_keys=False)
@@ -292,7 +314,7 @@ def _plot(results, sweep: SweepConfig, sweep_dir: str) -> None:
     for r in results:
         df = r.metrics_dataframe
         if df is not None and sweep.metric in df and "step" in df:
-            ax.plot(df["step"], df[sweep.metric], marker=".", label=Path(r.path).name[:24] if r.path else "?")
+            ax.plot(df["step"], df[sweep.metric], marker=".", label=Path(r.path).name if r.path else "?")
     ax.set(xlabel="step", ylabel=sweep.metric, title=f"{sweep.metric} per trial")
     if ax.lines:
         ax.legend(fontsize=7)
