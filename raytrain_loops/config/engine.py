@@ -18,6 +18,8 @@ __all__ = [
     "EMAConfig",
     "NonFiniteConfig",
     "OOMConfig",
+    "GradSyncConfig",
+    "SpikeConfig",
     "LoggingConfig",
     "default_schedules",
 ]
@@ -190,6 +192,35 @@ class OOMConfig:
 
     def __post_init__(self) -> None:
         at_least(self, 1, "max_consecutive")
+
+
+@dataclass(kw_only=True, slots=True)
+class GradSyncConfig:
+    """Check that every worker holds the same gradients after DDP's all-reduce (fairseq)."""
+
+    check: bool = opt(
+        True,
+        "Compare the workers' gradient norms every step (carried by the step's one all-reduce) and raise "
+        "GradSyncError naming the workers when they differ; off for models whose parameters DDP does not sync.",
+    )
+    rtol: float = opt(1e-6, "Largest allowed difference between workers' gradient norms, relative to the largest.")
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "rtol")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikeConfig:
+    """Stop the run when the loss jumps: an update that diverged is not worth retrying."""
+
+    factor: float = opt(0.0, "Stop when a step's loss exceeds factor x the mean of the previous window; 0: off.")
+    window: int = opt(50, "Steps in the running mean the loss is compared with.")
+    min_steps: int = opt(20, "Steps of history needed before a spike can be called.")
+
+    def __post_init__(self) -> None:
+        if self.factor != 0 and self.factor <= 1:
+            raise ConfigError("factor", f"must be 0 (off) or > 1; got {self.factor}")
+        at_least(self, 1, "window", "min_steps")
 
 
 @dataclass(kw_only=True, slots=True)

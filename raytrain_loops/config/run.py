@@ -12,6 +12,7 @@ from raytrain_loops.config.engine import (
     ClipConfig,
     EMAConfig,
     FreezeConfig,
+    GradSyncConfig,
     LoggingConfig,
     LossConfig,
     NonFiniteConfig,
@@ -19,6 +20,7 @@ from raytrain_loops.config.engine import (
     OptimConfig,
     PrecisionConfig,
     Schedule,
+    SpikeConfig,
     default_schedules,
 )
 
@@ -91,20 +93,32 @@ class CheckpointConfig:
     """Checkpoint cadence and retention."""
 
     every_steps: int = opt(0, "Checkpoint every this many steps; 0: at the end of every epoch. Always at the end.")
-    keep: int = opt(2, "Checkpoints kept (the newest, or the best by score_metric).")
+    keep: int = opt(2, "Checkpoints kept (the newest, or the best by score_metric; the newest always); 0: all.")
     score_metric: str = opt("", "Keep the best checkpoints by this reported metric instead of the newest.")
     score_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower score_metric is better.")
 
     def __post_init__(self) -> None:
         at_least(self, 0, "every_steps")
-        at_least(self, 1, "keep")
+        at_least(self, 0, "keep")
+        if self.keep == 1:
+            raise ConfigError(
+                "keep",
+                "must be 0 (keep all) or >= 2: when the newest checkpoint is found damaged, the one before it is "
+                "where the run resumes",
+            )
 
 
 @dataclass(kw_only=True, slots=True)
 class ScalingConfig:
     """Workers and their resources."""
 
-    num_workers: int = opt(2, "Training workers (one DDP process each).")
+    num_workers: int = opt(2, "Training workers (one DDP process each); the most, when elastic.")
+    min_workers: int = opt(
+        0,
+        "Elastic when 1 <= min_workers < num_workers: the run goes on with as few as min_workers as nodes go "
+        "and grows back as they return, with more micro-batches per update so the global batch stays the same.",
+    )
+    resize_interval_s: float = opt(60.0, "Elastic: seconds between checks for room to grow the group.")
     use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
     cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
@@ -114,6 +128,10 @@ class ScalingConfig:
 
     def __post_init__(self) -> None:
         at_least(self, 1, "num_workers")
+        if self.min_workers > self.num_workers:
+            raise ConfigError("min_workers", f"must be <= num_workers={self.num_workers}; got {self.min_workers}")
+        if self.resize_interval_s <= 0:
+            raise ConfigError("resize_interval_s", f"must be > 0; got {self.resize_interval_s}")
         at_least(self, 0, "cpus_per_worker")
         at_least(self, 0, "threads_per_worker")
 
@@ -138,6 +156,33 @@ class RunConfig:
         at_least(self, 1, "report_every_steps")
 
 
+FAULT_KINDS = ("raise", "kill", "nan", "spike")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    """Faults injected on purpose, to test recovery. Each fires once: on the first attempt of the
+    run that reaches its step (a marker in the run directory records that it fired)."""
+
+    plan: list[dict[str, Any]] = opt(
+        [],
+        "Each {step: N, rank: R, kind: K}: raise (an exception in worker R after step N), kill (SIGKILL of "
+        "worker R after step N), nan or spike (worker R's loss at step N is NaN, or 1000x).",
+    )
+
+    def __post_init__(self) -> None:
+        for i, fault in enumerate(self.plan):
+            key = f"plan[{i}]"
+            if not isinstance(fault, dict) or set(fault) - {"step", "rank", "kind"} or "step" not in fault:
+                raise ConfigError(key, f"must be {{step: N, rank: R, kind: K}}; got {fault!r}")
+            if not isinstance(fault["step"], int) or fault["step"] < 1:
+                raise ConfigError(f"{key}.step", f"must be a step >= 1; got {fault['step']!r}")
+            if not isinstance(fault.get("rank", 0), int) or fault.get("rank", 0) < 0:
+                raise ConfigError(f"{key}.rank", f"must be a worker rank >= 0; got {fault.get('rank')!r}")
+            if fault.get("kind", "raise") not in FAULT_KINDS:
+                raise ConfigError(f"{key}.kind", f"must be one of {', '.join(FAULT_KINDS)}; got {fault.get('kind')!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     """Everything a run needs. Sections are addressed by dotted keys: ``precision.dtype=bf16``."""
@@ -157,12 +202,15 @@ class Config:
     ema: EMAConfig = opt(EMAConfig(), "Weight EMA / momentum teacher.")
     nonfinite: NonFiniteConfig = opt(NonFiniteConfig(), "Non-finite loss or gradient policy.")
     oom: OOMConfig = opt(OOMConfig(), "Out-of-memory policy.")
+    grad_sync: GradSyncConfig = opt(GradSyncConfig(), "Check that workers hold the same gradients.")
+    spike: SpikeConfig = opt(SpikeConfig(), "Stop on a loss spike.")
     logging: LoggingConfig = opt(LoggingConfig(), "Metric cadence.")
     data: DataConfig = opt(DataConfig(), "Batching and ingestion.")
     eval: EvalConfig = opt(EvalConfig(), "Evaluation cadence.")
     checkpoint: CheckpointConfig = opt(CheckpointConfig(), "Checkpoint cadence and retention.")
     scaling: ScalingConfig = opt(ScalingConfig(), "Workers and resources.")
     run: RunConfig = opt(RunConfig(), "Storage, name and Ray reporting.")
+    fault: FaultConfig = opt(FaultConfig(), "Faults injected on purpose, to test recovery.")
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "ema_momentum"):

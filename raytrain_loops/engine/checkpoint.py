@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,35 +54,55 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def write_files(directory: str | Path, rank: int, files: dict[str, Any]) -> None:
-    """Write ``files`` (name -> object for ``torch.save``) and then this rank's manifest."""
+def write_files(directory: str | Path, rank: int, files: dict[str, Any], world_size: int) -> None:
+    """Write ``files`` (name -> object for ``torch.save``) and then this rank's manifest, which
+    also records how many workers wrote the checkpoint."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     manifest = {}
     for name, obj in files.items():
         _atomic_write(d / name, lambda f, obj=obj: torch.save(obj, f))
         manifest[name] = {"bytes": (d / name).stat().st_size, "sha256": _sha256(d / name)}
-    body = json.dumps({"rank": rank, "files": manifest}, indent=1).encode()
+    body = json.dumps({"rank": rank, "world_size": world_size, "files": manifest}, indent=1).encode()
     _atomic_write(d / f"manifest.rank{rank}.json", lambda f: f.write(body))
 
 
-def verify(directory: str | Path, world_size: int) -> None:
-    """Raise :class:`CheckpointError` unless every rank's manifest and files are intact."""
+def _manifest(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: no {path.name} (an interrupted write?)")
+    try:
+        data = json.loads(path.read_text())
+        return {"world_size": int(data["world_size"]), "files": dict(data["files"])}
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: unreadable manifest ({type(err).__name__}: {err})") from None
+
+
+def verify(directory: str | Path) -> int:
+    """Raise :class:`CheckpointError` unless every writer's manifest and every file it lists
+    are intact; return the number of workers that wrote the checkpoint."""
     d = Path(directory)
+    world_size = _manifest(d / "manifest.rank0.json")["world_size"]
     for rank in range(world_size):
-        mpath = d / f"manifest.rank{rank}.json"
-        if not mpath.is_file():
-            raise CheckpointError(f"{d}: no manifest from worker {rank} (an interrupted write?)")
-        try:
-            entries = json.loads(mpath.read_text())["files"]
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{mpath}: unreadable manifest ({err})") from None
-        for name, meta in entries.items():
+        for name, meta in _manifest(d / f"manifest.rank{rank}.json")["files"].items():
             f = d / name
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in the manifest but missing")
             if f.stat().st_size != meta["bytes"] or _sha256(f) != meta["sha256"]:
                 raise CheckpointError(f"{f}: size or checksum differs from the manifest (damaged)")
+    return world_size
+
+
+def step_of(name: str) -> int:
+    """The step in a checkpoint directory's name (``checkpoint_00000040`` or
+    ``checkpoint_00000040-2``); -1 if it is not one."""
+    return order_key(name)[0]
+
+
+def order_key(name: str) -> tuple[int, int]:
+    """Sorts checkpoint directory names oldest first: by step, then by the suffix a later
+    checkpoint of the same step gets (``-2``, ``-3``...). (-1, 0) if not a checkpoint's name."""
+    match = re.fullmatch(r"checkpoint_(\d+)(?:-(\d+))?", name)
+    return (int(match.group(1)), int(match.group(2) or 1)) if match else (-1, 0)
 
 
 def read_file(directory: str | Path, name: str) -> Any:

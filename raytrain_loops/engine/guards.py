@@ -21,6 +21,10 @@ class OOMError(TrainingError):
     """Out of memory in forward or backward, beyond what the OOM policy allows."""
 
 
+class GradSyncError(TrainingError):
+    """Workers hold different gradients after DDP's all-reduce: they would drift apart."""
+
+
 class LossScaleError(TrainingError):
     """The fp16 loss scale fell below its floor: the loss overflows even at a tiny scale."""
 
@@ -69,3 +73,30 @@ def first_nonfinite_grad(model: nn.Module) -> str | None:
         if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
             return name
     return None
+
+
+class LossSpikeError(TrainingError):
+    """The loss jumped far above its recent mean: the run diverged."""
+
+
+class SpikeDetector:
+    """Calls a spike when a step's loss (already averaged over all workers, so every worker
+    decides the same) exceeds ``factor`` times the mean of the previous ``window`` losses."""
+
+    def __init__(self, factor: float, window: int, min_steps: int):
+        from collections import deque
+
+        self.factor, self.min_steps = factor, min_steps
+        self.history: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float, step: int) -> None:
+        if self.factor <= 0 or not math.isfinite(loss):
+            return
+        if len(self.history) >= self.min_steps:
+            mean = sum(self.history) / len(self.history)
+            if mean > 0 and loss > self.factor * mean:
+                raise LossSpikeError(
+                    f"loss spike at step {step}: {loss:.4g} is {loss / mean:.1f}x the mean {mean:.4g} of the last "
+                    f"{len(self.history)} steps (spike.factor={self.factor:g})"
+                )
+        self.history.append(loss)

@@ -28,6 +28,8 @@ def timed_groups(batches: Iterable[Any], k: int) -> Iterator[tuple[list[Any], fl
             return
 
 
-def accum_steps(accum_cfg, epoch: int) -> int:
-    """Micro-batches per update in ``epoch``: 1 before ``accum.start_epoch`` (cvnets), then ``accum.steps``."""
-    return accum_cfg.steps if epoch >= accum_cfg.start_epoch else 1
+def accum_steps(accum_cfg, epoch: int, scale: float = 1.0) -> int:
+    """Micro-batches per update in ``epoch``: 1 before ``accum.start_epoch`` (cvnets), then
+    ``accum.steps``; times ``scale`` (full group size / current size) when an elastic group
+    runs short of workers, so the global batch stays the same (to the nearest micro-batch)."""
+    return max(1, round((accum_cfg.steps if epoch >= accum_cfg.start_epoch else 1) * scale))

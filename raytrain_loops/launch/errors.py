@@ -14,3 +14,19 @@ def root_cause(err: BaseException) -> str:
         return root_cause(cause)
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on an error that retrying cannot fix (non-finite values, a loss spike,
+    persistent OOM, workers out of sync); Ray did not restart it."""
+
+    def __init__(self, kind: str, message: str, step: int):
+        super().__init__(f"{kind} at step {step}: {message}")
+        self.kind, self.step = kind, step
+
+
+def raise_if_stopped(result) -> None:
+    """Raise :class:`TrainingStopped` when the workers ended the run on a non-retryable error."""
+    stopped = result.return_value
+    if isinstance(stopped, dict) and "stopped" in stopped:
+        raise TrainingStopped(stopped["stopped"], stopped["message"], stopped["step"])

@@ -15,6 +15,7 @@ import yaml
 
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.errors import raise_if_stopped
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -165,6 +166,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     trainer = build_trainer(config, task, splits, rows, name, run_dir)
     result = trainer.fit()
     wall = time.time() - start
+    raise_if_stopped(result)
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}

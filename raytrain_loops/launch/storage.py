@@ -42,3 +42,26 @@ def write_text(dest: str, text: str) -> None:
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, p)
+
+
+def exists(path: str) -> bool:
+    if is_uri(path):
+        import pyarrow.fs as pafs
+
+        fs, p = pafs.FileSystem.from_uri(path)
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+    return os.path.exists(path)
+
+
+def list_dirs(base: str) -> list[str]:
+    """The directories directly under ``base`` (local or URI), as full paths; [] if none."""
+    if is_uri(base):
+        import pyarrow.fs as pafs
+
+        fs, root = pafs.FileSystem.from_uri(base)
+        scheme = base.split("://", 1)[0]
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        return [f"{scheme}://{i.path}" for i in infos if i.type == pafs.FileType.Directory]
+    if not os.path.isdir(base):
+        return []
+    return [os.path.join(base, n) for n in os.listdir(base) if os.path.isdir(os.path.join(base, n))]

@@ -19,8 +19,10 @@ def scaling_config(config: Config) -> ray.train.ScalingConfig:
     resources = {"CPU": s.cpus_per_worker}
     if s.use_gpu:
         resources["GPU"] = 1
+    elastic = 1 <= s.min_workers < s.num_workers
     return ray.train.ScalingConfig(
-        num_workers=s.num_workers,
+        num_workers=(s.min_workers, s.num_workers) if elastic else s.num_workers,
+        elastic_resize_monitor_interval_s=s.resize_interval_s,
         use_gpu=s.use_gpu,
         resources_per_worker=resources,
         placement_strategy=s.placement_strategy,
@@ -37,7 +39,7 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
         # controller_failure_limit=0: resources that cannot be had fail the run instead of retrying forever.
         failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures, controller_failure_limit=0),
         checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=c.keep,
+            num_to_keep=c.keep or None,
             checkpoint_score_attribute=c.score_metric or None,
             checkpoint_score_order=c.score_mode,
         ),
@@ -84,6 +86,10 @@ def build_trainer(
         for split_name, split in splits.items()
         if isinstance(split, ParquetSplit)
     }
+    # Every worker's shard in the same order on every run: with the seeded shuffle in the worker,
+    # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
+    # copies the driver's DataContext when the trainer is built.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     payload = {
         "config": config.to_dict(),
         "task": task,

@@ -22,6 +22,7 @@ import yaml
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.errors import raise_if_stopped
 from raytrain_loops.launch.fit import ensure_ray, prepare
 from raytrain_loops.launch.worker import total_steps
 from raytrain_loops.tasks import Task
@@ -114,7 +115,7 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
 
     def fit() -> None:
         try:
-            trainer.fit()
+            raise_if_stopped(trainer.fit())
         except BaseException as err:  # re-raised in the trial's thread below
             outcome["error"] = err
 

@@ -19,11 +19,13 @@ import torch
 from raytrain_loops.config import Config
 from raytrain_loops.engine import Engine, to_device
 from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.guards import SpikeDetector, TrainingError
 from raytrain_loops.engine.loop import accum_steps, timed_groups
 from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.precision import autocast
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.tasks import MapSplit, Task
 
@@ -59,6 +61,7 @@ class Batches:
 
     def __init__(self, task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int], rank: int, world: int):
         self.task, self.cfg, self.rank, self.world = task, config, rank, world
+        self.scale = config.scaling.num_workers / world  # > 1 when an elastic group runs short
         self.has_eval = "eval" in splits
         self.loaders = {}
         for name, split in splits.items():
@@ -88,29 +91,44 @@ class Batches:
         shard = ray.train.get_dataset_shard(split)
         train = split == "train"
         size = self.cfg.data.batch_size if train else self.cfg.data.eval_batch_size
-        shuffle = self.cfg.data.shuffle_buffer if train else 0
+        window = self.cfg.data.shuffle_buffer if train else 0
         fetched = shard.iter_batches(
-            batch_size=size * max(1, -(-FETCH_ROWS // size)),
+            batch_size=size * max(1, -(-max(FETCH_ROWS, window) // size)),
             batch_format="numpy",
-            local_shuffle_buffer_size=shuffle or None,
-            local_shuffle_seed=(self.cfg.loop.seed * 100_003 + epoch * 1009 + self.rank) if shuffle else None,
             prefetch_batches=self.cfg.data.prefetch_batches,
         )
+        if window:
+            fetched = shuffled(fetched, (self.cfg.loop.seed, epoch, self.rank))
         return sliced(fetched, size, self.task.collate, drop_last=train)
 
 
-def steps_in_epoch(config: Config, batches_per_epoch: int, epoch: int) -> int:
-    return batches_per_epoch // accum_steps(config.accum, epoch)
+def shuffled(fetched: Iterable[dict[str, Any]], seed: tuple[int, ...]) -> Iterable[dict[str, Any]]:
+    """Permute the rows of each fetched batch (of data.shuffle_buffer rows or more) with a
+    generator seeded by (seed, epoch, rank). The shard arrives in the same order every time
+    (Ray Data's preserve_order), so an epoch's batches are a function of the seed alone and a
+    run resumed mid-epoch continues with exactly the rows the interrupted attempt had left."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for batch in fetched:
+        order = rng.permutation(len(next(iter(batch.values()))))
+        yield {k: v[order] for k, v in batch.items()}
 
 
-def total_steps(config: Config, batches_per_epoch: int) -> int:
+def steps_in_epoch(config: Config, batches_per_epoch: int, epoch: int, scale: float = 1.0) -> int:
+    return batches_per_epoch // accum_steps(config.accum, epoch, scale)
+
+
+def total_steps(config: Config, batches_per_epoch: int, scale: float = 1.0) -> int:
     """The run's length: ``loop.max_steps``, or the steps of ``loop.epochs`` epochs."""
-    if any(steps_in_epoch(config, batches_per_epoch, e) == 0 for e in range(config.loop.epochs)):
+    if any(steps_in_epoch(config, batches_per_epoch, e, scale) == 0 for e in range(config.loop.epochs)):
         raise ValueError(
             f"an epoch holds {batches_per_epoch} batches of data.batch_size={config.data.batch_size} per worker, "
             f"fewer than accum.steps={config.accum.steps}: lower data.batch_size or scaling.num_workers"
         )
-    return config.loop.max_steps or sum(steps_in_epoch(config, batches_per_epoch, e) for e in range(config.loop.epochs))
+    return config.loop.max_steps or sum(
+        steps_in_epoch(config, batches_per_epoch, e, scale) for e in range(config.loop.epochs)
+    )
 
 
 def evaluate(engine: Engine, task: Task, batches: Batches, config: Config, epoch: int) -> dict[str, float]:
@@ -132,11 +150,25 @@ def evaluate(engine: Engine, task: Task, batches: Batches, config: Config, epoch
 
 
 class Checkpointer:
-    """Writes this worker's part of a checkpoint and reports it; restores from Ray's checkpoint."""
+    """Writes this worker's part of a checkpoint and reports it; restores from Ray's checkpoint,
+    or from the newest intact one before it when that one is damaged."""
 
-    def __init__(self, engine: Engine, rank: int, world: int):
-        self.engine, self.rank, self.world = engine, rank, world
-        self.loaded: dict[str, str] | None = None  # what restore() loaded: path and model digest
+    def __init__(self, engine: Engine, rank: int, world: int, run_dir: str):
+        self.engine, self.rank, self.world, self.run_dir = engine, rank, world, run_dir
+        self.loaded: dict[str, Any] | None = None  # what restore() loaded: path, model digest, skipped
+
+    def _dir_name(self) -> str:
+        """``checkpoint_<step>``; with a suffix when that directory exists (written by an attempt
+        that failed, or found damaged), so a new checkpoint never merges into an old one. Only
+        rank 0's name counts: Ray gives every worker's files the name rank 0 chose."""
+        name = f"checkpoint_{self.engine.step:08d}"
+        if self.rank != 0:
+            return name
+        candidate, n = name, 1
+        while storage.exists(storage.join(self.run_dir, candidate)):
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
 
     def report(self, metrics: dict[str, Any], position: dict[str, int] | None) -> None:
         """``ray.train.report`` on every worker; with a checkpoint when ``position`` is given.
@@ -162,11 +194,11 @@ class Checkpointer:
             files = {ckpt_files.rank_file(self.rank): mine}
             if self.rank == 0:
                 files[ckpt_files.STATE] = state
-            ckpt_files.write_files(tmp, self.rank, files)
+            ckpt_files.write_files(tmp, self.rank, files, self.world)
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                checkpoint_dir_name=f"checkpoint_{self.engine.step:08d}",
+                checkpoint_dir_name=self._dir_name(),
                 checkpoint_upload_mode=async_mode,
             )
         except BaseException:
@@ -174,23 +206,52 @@ class Checkpointer:
             raise
 
     def restore(self, init_checkpoint: str | None = None) -> dict[str, int] | None:
-        """Load the latest checkpoint of this run (Ray hands it over after a restart), else
-        ``init_checkpoint`` (another run's, e.g. a PBT donor's); return the data position."""
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None and init_checkpoint:
-            checkpoint = ray.train.Checkpoint(init_checkpoint)
-        if checkpoint is None:
-            return None
+        """Load this run's newest intact checkpoint, else ``init_checkpoint`` (another run's, e.g.
+        a PBT donor's); return the data position.
+
+        The candidates are every checkpoint directory of the run, newest first: the one Ray
+        registered last, and any newer one a failed attempt finished writing before Ray had
+        registered it (reports are asynchronous). A damaged one is skipped with a warning for the
+        one before it. Every worker reads the same files, so all pick the same checkpoint.
+        """
+        paths = [p for p in storage.list_dirs(self.run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
+        latest = ray.train.get_checkpoint()
+        if latest is not None and os.path.basename(latest.path.rstrip("/")) not in map(os.path.basename, paths):
+            paths.append(latest.path)
+        paths.sort(key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
+        if not paths:
+            return self._load(ray.train.Checkpoint(init_checkpoint), skipped=[]) if init_checkpoint else None
+        skipped: list[dict[str, str]] = []
+        for path in paths:
+            try:
+                return self._load(ray.train.Checkpoint(path), skipped)
+            except ckpt_files.CheckpointError as err:
+                if self.rank == 0:
+                    print(f"warning: checkpoint {path} is unusable, trying the one before: {err}", flush=True)
+                skipped.append({"checkpoint": path, "reason": str(err)})
+        raise ckpt_files.CheckpointError(f"no intact checkpoint in {self.run_dir}; the newest: {skipped[0]['reason']}")
+
+    def _load(self, checkpoint, skipped: list[dict[str, str]]) -> dict[str, int]:
         with checkpoint.as_directory() as d:
-            ckpt_files.verify(d, self.world)
+            world = ckpt_files.verify(d)
             shared = ckpt_files.read_file(d, ckpt_files.STATE)
-            mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank))
-        self.engine.load_state_dict({**shared, "rng": mine["rng"]})
-        self.loaded = {"checkpoint": checkpoint.path, "model_sha256": ckpt_files.digest(shared["model"])}
-        return mine["data"]
+            # A group of another size (an elastic resize) takes rank 0's position, rescaled.
+            mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank if world == self.world else 0))
+        state = {**shared, "rng": mine["rng"]} if world == self.world else shared
+        self.engine.load_state_dict(state)
+        self.loaded = {
+            "checkpoint": checkpoint.path,
+            "model_sha256": ckpt_files.digest(shared["model"]),
+            "world_size": world,
+            "skipped": skipped,
+        }
+        position = dict(mine["data"])
+        if world != self.world:
+            position["batches"] = position["batches"] * world // self.world
+        return position
 
 
-def train_loop_per_worker(payload: dict[str, Any]) -> None:
+def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any] | None:
     """Ray Train's entry point on every worker."""
     config = Config.from_dict(payload["config"])
     context = ray.train.get_context()
@@ -207,24 +268,39 @@ def train_loop_per_worker(payload: dict[str, Any]) -> None:
     seed_everything(config.loop.seed + 1 + rank)  # distinct dropout and augmentation per worker
 
     batches = Batches(task, config, payload["splits"], payload["rows"], rank, world)
-    total = total_steps(config, batches.batches_per_epoch)
-    engine = Engine(model, task.criterion, config, total_steps=total, task_param_groups=groups)
-    checkpointer = Checkpointer(engine, rank, world)
+    total = total_steps(config, batches.batches_per_epoch, batches.scale)
+    faults = Faults(config.fault.plan, rank, payload["run_dir"])
+    engine = Engine(model, faults.wrap_loss(task.criterion), config, total_steps=total, task_param_groups=groups)
+    checkpointer = Checkpointer(engine, rank, world, payload["run_dir"])
     position = checkpointer.restore(payload.get("init_checkpoint")) or {"epoch": 0, "batches": 0}
     if rank == 0 and checkpointer.loaded:
         storage.write_text(storage.join(payload["run_dir"], "init.json"), json.dumps(checkpointer.loaded) + "\n")
     log = RunLog(payload["run_dir"], rank, total, config.run.progress, engine.step)
-    run_loop(engine, task, batches, config, total, position, checkpointer, log)
-    log.close()
+    if rank == 0 and world != config.scaling.num_workers:
+        print(
+            f"{world} of {config.scaling.num_workers} workers: {accum_steps(config.accum, engine.epoch, batches.scale)} micro-batches per update",
+            flush=True,
+        )
+    try:
+        run_loop(engine, task, batches, config, total, position, checkpointer, log, faults)
+    except TrainingError as err:
+        # Every worker raises it at the same step (the decision comes from all-reduced values),
+        # and a restart would meet it again: end the attempt normally so Ray does not retry, and
+        # let the driver raise it (the last checkpoint stays the newest).
+        return {"stopped": type(err).__name__, "message": str(err), "step": engine.step}
+    finally:
+        log.close()
+    return None
 
 
-def run_loop(engine, task, batches, config, total, position, checkpointer, log) -> None:
+def run_loop(engine, task, batches, config, total, position, checkpointer, log, faults) -> None:
     """Epochs of steps until ``total``; evaluation, reports and checkpoints on schedule, and once
     more at the end through the same path. Every worker reaches every collective and report."""
     cfg = config
     metrics: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     calls = 0
+    spike = SpikeDetector(cfg.spike.factor, cfg.spike.window, cfg.spike.min_steps)
 
     def due(every: int, step: int) -> bool:
         return every > 0 and step % every == 0
@@ -243,8 +319,8 @@ def run_loop(engine, task, batches, config, total, position, checkpointer, log) 
 
     while engine.step < total:
         epoch = engine.epoch
-        k = accum_steps(cfg.accum, epoch)
-        steps_this_epoch = steps_in_epoch(cfg, batches.batches_per_epoch, epoch)
+        k = accum_steps(cfg.accum, epoch, batches.scale)
+        steps_this_epoch = steps_in_epoch(cfg, batches.batches_per_epoch, epoch, batches.scale)
         skip = position["batches"] if position["epoch"] == epoch else 0
         stream = iter(batches.epoch("train", epoch))
         for _ in itertools.islice(stream, skip):
@@ -259,6 +335,9 @@ def run_loop(engine, task, batches, config, total, position, checkpointer, log) 
             done += 1
             calls += 1
             log.step(result, engine.step, epoch)
+            if result.applied:
+                spike.check(result.loss, engine.step)
+                faults.after_step(engine.step)
             if calls % cfg.logging.every_steps == 0:
                 metrics = engine.reduce_metrics()
                 log.interval(metrics, engine.step)

@@ -1,0 +1,61 @@
+"""A digits task that records which rows every micro-batch held, for the recovery tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from raytrain_loops.tasks import DigitsTask, ParquetSplit
+from raytrain_loops.tasks.digits import write_digits_parquet
+
+
+class RecordingDigits(DigitsTask):
+    """Digits with a row ``id`` column; the criterion appends {step, micro, epoch, ids} to
+    ``record_dir/ids.rank<r>.jsonl`` (a restarted attempt appends again: the last record of a
+    step is the one that counted)."""
+
+    def __init__(self, record_dir: str, **params):
+        super().__init__(**params)
+        self.record_dir = record_dir
+
+    def prepare(self, data_dir: Path) -> None:
+        paths = write_digits_parquet(data_dir / "digits")
+        out = data_dir / "digits-ids" / "train.parquet"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            table = pq.read_table(paths["train"])
+            pq.write_table(table.append_column("id", [np.arange(table.num_rows)]), out)
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        return {
+            "train": ParquetSplit(str(data_dir / "digits-ids" / "train.parquet"), ["image", "label", "id"]),
+            "eval": super().splits(data_dir)["eval"],
+        }
+
+    def collate(self, batch):
+        x, y = super().collate(batch)
+        return (x, y, torch.tensor(batch["id"])) if "id" in batch else (x, y)
+
+    def criterion(self, model, batch, ctx):
+        x, y, ids = batch
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        record = {"step": ctx.step + 1, "micro": ctx.micro_index, "epoch": ctx.epoch, "ids": ids.tolist()}
+        with open(os.path.join(self.record_dir, f"ids.rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return super().criterion(model, (x, y), ctx)
+
+
+def counted_batches(record_dir: Path) -> dict[tuple[int, int, int], dict]:
+    """(rank, step, micro) -> the last record of it: what the run's final trajectory used."""
+    out = {}
+    for path in sorted(record_dir.glob("ids.rank*.jsonl")):
+        rank = int(path.stem.removeprefix("ids.rank"))
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out[(rank, r["step"], r["micro"])] = r
+    return out

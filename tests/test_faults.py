@@ -1,0 +1,124 @@
+"""Recovery, end to end on a local Ray: crashed workers, damaged checkpoints, and the errors
+that must not be retried. Every fault here is injected through ``fault.plan``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_loops import fit
+from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.launch.errors import TrainingStopped
+from raytrain_loops.recipes import resolve
+from tests.recording import counted_batches
+
+pytestmark = pytest.mark.ray
+
+
+def _overrides(tmp_path: Path, name: str, record: Path, *extra: str) -> list[str]:
+    record.mkdir(parents=True, exist_ok=True)
+    return [
+        "task.name=tests.recording:RecordingDigits",
+        f"task.params={{record_dir: {record}, width: 16}}",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.storage_path={tmp_path / 'runs'}",
+        f"run.name={name}",
+        "run.progress=false",
+        "logging.every_steps=5",
+        "accum.steps=2",  # 1347 rows / 2 workers / 32 = 21 batches: 10 updates an epoch, 1 batch left over
+        "checkpoint.every_steps=6",
+        "eval.every_steps=0",
+        *extra,
+    ]
+
+
+def _state(result) -> dict:
+    return ckpt.read_file(result.checkpoint, ckpt.STATE)
+
+
+def _assert_same(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sample_once(ray_session, tmp_path):
+    steps = "loop.max_steps=36"
+    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", steps))
+    plan = "fault.plan=[{step: 15, rank: 1, kind: kill}, {step: 27, rank: 0, kind: raise}]"
+    faulty = fit(
+        resolve("default"),
+        overrides=_overrides(tmp_path, "faulty", tmp_path / "rec-faulty", steps, plan, "run.max_failures=2"),
+    )
+    # Both faults fired (once each) and the run still finished.
+    assert sorted(p.name for p in (Path(faulty.run_dir) / "faults").iterdir()) == ["0.fired", "1.fired"]
+    assert faulty.metrics["step"] == clean.metrics["step"] == 36
+    # The last restart resumed mid-epoch (epoch 2, batch 8) from the newest checkpoint, 24, which
+    # Ray may not have registered yet: reports are asynchronous, the files were complete.
+    restored = json.loads((Path(faulty.run_dir) / "init.json").read_text())
+    assert Path(restored["checkpoint"]).name == "checkpoint_00000024" and restored["skipped"] == []
+
+    # Bit for bit: weights, optimizer moments, EMA, counters.
+    _assert_same(_state(clean), _state(faulty))
+
+    used, reference = counted_batches(tmp_path / "rec-faulty"), counted_batches(tmp_path / "rec-clean")
+    assert used == reference  # the same rows in every micro-batch of every step
+    per_epoch: dict[int, Counter] = {}
+    for record in used.values():
+        per_epoch.setdefault(record["epoch"], Counter()).update(record["ids"])
+    for epoch, seen in per_epoch.items():
+        assert max(seen.values()) == 1, f"epoch {epoch}: a row was used twice"
+    assert sum(per_epoch[1].values()) == 10 * 2 * 2 * 32  # a full epoch: 10 updates x 2 micro x 2 workers
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(ray_session, tmp_path):
+    record = tmp_path / "rec"
+    first = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=18"))
+    run = Path(first.run_dir)
+    assert sorted(p.name for p in run.glob("checkpoint_0*")) == ["checkpoint_00000012", "checkpoint_00000018"]
+    state = run / "checkpoint_00000018" / ckpt.STATE
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
+
+    second = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=24"))
+    restored = json.loads((run / "init.json").read_text())
+    assert restored["checkpoint"].endswith("checkpoint_00000012")
+    assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000018"]
+    assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 19)) + list(range(13, 25))  # 13-18 redone from the intact checkpoint
+    # The redone step 18 got a directory of its own next to the damaged one, and the newest is intact.
+    assert (run / "checkpoint_00000018-2").is_dir() and second.checkpoint.endswith("checkpoint_00000024")
+    assert ckpt.verify(second.checkpoint) == 2
+
+
+def test_a_loss_spike_stops_the_run_without_a_retry(ray_session, tmp_path):
+    overrides = _overrides(
+        tmp_path,
+        "spike",
+        tmp_path / "rec",
+        "loop.max_steps=30",
+        "spike.factor=20",
+        "spike.min_steps=5",
+        "fault.plan=[{step: 9, rank: 1, kind: spike}]",
+        "run.max_failures=3",
+    )
+    with pytest.raises(TrainingStopped, match=r"LossSpikeError at step 9: loss spike at step 9: .* is \d+\.\dx the mean"):
+        fit(resolve("default"), overrides=overrides)
+    run = Path(tmp_path / "runs" / "spike")
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 10))  # one attempt: a retry would have logged steps again
+    checkpoints = sorted(p.name for p in run.glob("checkpoint_0*"))
+    assert checkpoints == ["checkpoint_00000006"]  # nothing written after the spike
