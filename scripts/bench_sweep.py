@@ -47,6 +47,7 @@ def main() -> None:
             "name": name,
             "storage_path": str(work / "sweeps"),
             "space": {"schedules.lr.value": {"grid": values}},
+            "num_samples": 1,
             "max_concurrent_trials": concurrency,
             "trial": {"num_workers": 2, "cpus_per_worker": 0.5},
         }

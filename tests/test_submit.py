@@ -86,6 +86,11 @@ def head():
     }
     env.pop("RAY_ADDRESS", None)
     gcs, dashboard = _free_port(), _free_port()
+    # Ray Train's placement-group cleaner finds the State API through this; without it, it would
+    # look for the cluster `ray start` last recorded on this machine, which may be another one.
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard}"
+    # A group start that cannot be satisfied (a node just left) gives up after 20 s, not 60.
+    env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "20"
     # Every port explicit: another Ray on this machine (the suite's own) holds the defaults.
     ports = [
         f"--port={gcs}",
@@ -180,3 +185,75 @@ def test_unauthenticated_requests_are_refused(head, tmp_path):
     assert out.returncode != 0
     assert "403" in out.stderr or "uthentica" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.glob("*/summary.json"))
+
+
+def _cluster_cpus(head) -> float:
+    out = subprocess.run(
+        [RAY, "status", f"--address={head['gcs']}"], env=head["env"], capture_output=True, text=True, timeout=60
+    )
+    for line in out.stdout.splitlines():
+        if line.strip().endswith(" CPU") and "/" in line:
+            return float(line.split("/")[1].split()[0])
+    return 0.0
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.ray
+def test_an_elastic_run_goes_on_with_fewer_workers_when_a_node_goes(head, tmp_path):
+    """scaling.min_workers=1 of 2: the node of one worker is stopped mid-run; Ray Train restarts
+    the group with the one worker the head holds, which takes two micro-batches per update (the
+    same global batch), and the run ends close to a fixed-size run of the same config."""
+    ports = [
+        f"--{name}={_free_port()}"
+        for name in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    ]
+    common = ["loop.max_steps=60", "scaling.cpus_per_worker=2", "checkpoint.every_steps=5", "eval.every_steps=60"]
+    worker = Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / "elastic.log")
+    try:
+        deadline = time.monotonic() + 60
+        while _cluster_cpus(head) < 5:  # the head's 3 and the node's 2: room for both workers
+            assert time.monotonic() < deadline, "the second node did not join"
+            time.sleep(1)
+        fixed = _submit(head, tmp_path / "fixed", *common, "run.name=fixed")
+        assert fixed.returncode == 0, fixed.stdout[-3000:]
+
+        elastic_args = [*common, "run.name=elastic", "scaling.min_workers=1", "run.max_failures=3"]
+        run_dir = tmp_path / "elastic" / "elastic"
+        job = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_loops.cli", "submit", "default", *elastic_args]
+            + [f"run.storage_path={tmp_path / 'elastic'}", f"data.dir={tmp_path / 'data'}", "--address", head["url"]],
+            env=head["env"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 180
+        while not [s for s in _steps(run_dir) if s["step"] >= 12]:  # past a checkpoint, on 2 workers
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+            time.sleep(0.2)
+        worker.stop()  # the node goes (SIGTERM, as a preemption notice would), and its worker with it
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode == 0, output[-3000:]
+    finally:
+        worker.stop()
+
+    steps = _steps(run_dir)
+    assert steps[0]["workers"] == 2 and steps[-1]["workers"] == 1 and steps[-1]["step"] == 60
+    # The global batch stayed 64 samples per update on one worker (2 micro-batches of 32).
+    assert {s["sample_size"] for s in steps} == {64.0}
+    counted = {s["step"]: s for s in steps}  # the last record of each step is the one that counted
+    assert sorted(counted) == list(range(1, 61))
+    reference = {s["step"]: s["loss"] for s in _steps(tmp_path / "fixed" / "fixed")}
+    late = range(41, 61)
+    elastic_loss = sum(counted[i]["loss"] for i in late) / len(late)
+    fixed_loss = sum(reference[i] for i in late) / len(late)
+    assert abs(elastic_loss - fixed_loss) < 0.25 * fixed_loss, (elastic_loss, fixed_loss)

@@ -20,8 +20,11 @@ from raytrain_loops.launch import storage
 class RunLog:
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` and ``tb/`` for rank 0."""
 
-    def __init__(self, run_dir: str, rank: int, total_steps: int, progress: bool, start_step: int = 0):
+    def __init__(
+        self, run_dir: str, rank: int, total_steps: int, progress: bool, start_step: int = 0, workers: int = 1
+    ):
         self.enabled = rank == 0
+        self.workers = workers
         self.total_steps = total_steps
         self.progress = progress
         if not self.enabled:
@@ -48,6 +51,7 @@ class RunLog:
             "lr": result.lr,
             "grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
             "sample_size": result.sample_size,
+            "workers": self.workers,
             "applied": result.applied,
             "skipped": result.skipped,
             "compute_time": result.compute_time,

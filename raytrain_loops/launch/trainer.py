@@ -14,14 +14,17 @@ from raytrain_loops.launch.worker import train_loop_per_worker
 from raytrain_loops.tasks import ParquetSplit, Task
 
 
+def elastic(config: Config) -> bool:
+    return 1 <= config.scaling.min_workers < config.scaling.num_workers
+
+
 def scaling_config(config: Config) -> ray.train.ScalingConfig:
     s = config.scaling
     resources = {"CPU": s.cpus_per_worker}
     if s.use_gpu:
         resources["GPU"] = 1
-    elastic = 1 <= s.min_workers < s.num_workers
     return ray.train.ScalingConfig(
-        num_workers=(s.min_workers, s.num_workers) if elastic else s.num_workers,
+        num_workers=(s.min_workers, s.num_workers) if elastic(config) else s.num_workers,
         elastic_resize_monitor_interval_s=s.resize_interval_s,
         use_gpu=s.use_gpu,
         resources_per_worker=resources,
@@ -36,8 +39,13 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
         storage_path=config.run.storage_path
         if storage.is_uri(config.run.storage_path)
         else storage.join(config.run.storage_path),
-        # controller_failure_limit=0: resources that cannot be had fail the run instead of retrying forever.
-        failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures, controller_failure_limit=0),
+        # A fixed-size group whose resources cannot be had fails the run at once instead of
+        # retrying forever. An elastic group retries a start that timed out a few times: right
+        # after a node goes, Ray may still count it and ask for one worker too many.
+        failure_config=ray.train.FailureConfig(
+            max_failures=config.run.max_failures,
+            controller_failure_limit=3 if elastic(config) else 0,
+        ),
         checkpoint_config=ray.train.CheckpointConfig(
             num_to_keep=c.keep or None,
             checkpoint_score_attribute=c.score_metric or None,

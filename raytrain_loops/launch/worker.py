@@ -275,7 +275,7 @@ def train_loop_per_worker(payload: dict[str, Any]) -> dict[str, Any] | None:
     position = checkpointer.restore(payload.get("init_checkpoint")) or {"epoch": 0, "batches": 0}
     if rank == 0 and checkpointer.loaded:
         storage.write_text(storage.join(payload["run_dir"], "init.json"), json.dumps(checkpointer.loaded) + "\n")
-    log = RunLog(payload["run_dir"], rank, total, config.run.progress, engine.step)
+    log = RunLog(payload["run_dir"], rank, total, config.run.progress, engine.step, world)
     if rank == 0 and world != config.scaling.num_workers:
         print(
             f"{world} of {config.scaling.num_workers} workers: {accum_steps(config.accum, engine.epoch, batches.scale)} micro-batches per update",
