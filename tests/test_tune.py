@@ -139,9 +139,9 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
 
 
 @pytest.mark.ray
-def test_an_interrupted_sweep_resumes_when_run_again(tmp_path):
-    """`raytrain-loops tune` stopped by Ctrl-C mid-sweep; the same command finishes it without
-    rerunning the trial that had finished."""
+def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
+    """`raytrain-loops tune` with Optuna's TPE, stopped by Ctrl-C mid-sweep; the same command
+    finishes it without rerunning the trial that had finished."""
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -149,8 +149,9 @@ def test_an_interrupted_sweep_resumes_when_run_again(tmp_path):
                 tmp_path,
                 name="resumable",
                 max_concurrent_trials=1,
-                space={"schedules.lr.value": {"grid": [1.0e-3, 3.0e-3]}},
-                num_samples=1,
+                space={"schedules.lr.value": {"loguniform": [1.0e-4, 1.0e-2]}, "data.batch_size": {"choice": [16, 32]}},
+                num_samples=2,
+                search={"algorithm": "optuna", "seed": 3},
             )
         )
     )
@@ -172,30 +173,12 @@ def test_an_interrupted_sweep_resumes_when_run_again(tmp_path):
     second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming the sweep" in second.stdout
-    table = pd.read_csv(tmp_path / "sweeps" / "resumable" / "results.csv")
+    sweep_dir = tmp_path / "sweeps" / "resumable"
+    table = pd.read_csv(sweep_dir / "results.csv")
     assert sorted(table["trial"]) == ["trial_00000", "trial_00001"] and (table["steps"] == 20).all(), table
+    # Optuna proposed both trials inside the space, and its study was saved with the sweep.
+    assert table["schedules.lr.value"].between(1.0e-4, 1.0e-2).all() and table["data.batch_size"].isin([16, 32]).all()
+    assert table["schedules.lr.value"].nunique() == 2 and list(sweep_dir.glob("searcher-state-*.pkl"))
     # The finished trial was not run again: each of its steps was logged once.
     steps = [json.loads(line)["step"] for line in (trials / "trial_00000" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))
-
-
-@pytest.mark.ray
-def test_optuna_search_proposes_trials_within_the_space(ray_session, tmp_path):
-    from raytrain_loops import tune
-
-    sweep = _sweep(
-        tmp_path,
-        name="optuna",
-        num_samples=2,
-        space={"schedules.lr.value": {"loguniform": [1.0e-4, 1.0e-2]}, "data.batch_size": {"choice": [16, 32]}},
-        search={"algorithm": "optuna", "seed": 3},
-    )
-    result = tune(resolve("default"), sweep, overrides=[*TINY, "loop.max_steps=10", f"data.dir={tmp_path / 'data'}"])
-    table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
-    assert len(table) == 2 and table["error"].isna().all() and (table["steps"] == 10).all(), table
-    assert table["schedules.lr.value"].between(1.0e-4, 1.0e-2).all() and table["data.batch_size"].isin([16, 32]).all()
-    assert table["schedules.lr.value"].nunique() == 2
-    # Tune saved the Optuna searcher's state (its study) with the sweep.
-    assert list(Path(result.sweep_dir).glob("searcher-state-*.pkl")), sorted(
-        p.name for p in Path(result.sweep_dir).iterdir()
-    )

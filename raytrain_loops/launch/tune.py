@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +139,13 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
 
 
 def _trial_name(trial) -> str:
-    """``trial_00003``: the same for the same sweep, so reruns and restores find their trials."""
-    return f"trial_{trial.trial_id.rsplit('_', 1)[-1]}"
+    """``trial_00003``, the trial's index in the sweep: the same names for the same sweep, so a
+    rerun or a restore finds its trials' run directories."""
+    numbered = re.fullmatch(r"[0-9a-f]+_(\d+)", trial.trial_id)  # random and grid: <sweep id>_<index>
+    if numbered:
+        return f"trial_{int(numbered.group(1)):05d}"
+    # Searchers (Optuna) name trials by random ids; their tag starts with a count from 1.
+    return f"trial_{int(trial.experiment_tag.split('_', 1)[0]) - 1:05d}"
 
 
 def _per_trial_cpus(sweep: SweepConfig) -> float:
