@@ -4,10 +4,12 @@ Per step, on every worker (see DESIGN.md, "The step"):
 
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others);
-2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``
-   and one host read of it: this is the only synchronisation the step adds, and every decision
-   below is taken from the reduced values, so every worker takes the same one;
+2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
+   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm, and
+   one host read of it: this is the only synchronisation the step adds, and every decision below
+   is taken from the reduced values, so every worker takes the same one;
 3. skip (OOM anywhere, fp16 overflow, non-finite with policy ``skip``) or raise, on all workers;
+   raise when the workers' gradient norms differ (DDP left them unsynchronised);
 4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
    averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
    optimizer, update the loss scale, count the step and update the EMA.
@@ -19,6 +21,7 @@ import contextlib
 import gc
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from raytrain_loops.config.run import Config
 from raytrain_loops.engine import dist
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
+    GradSyncError,
     LossScaleError,
     NonFiniteError,
     OOMError,
@@ -140,6 +144,7 @@ class Engine:
             )
         self.device = next(self.module.parameters()).device
         self._cdev = dist.collective_device()
+        self._check_sync = config.grad_sync.check and self.world_size > 1
         groups = param_groups(self.module, config.optim, task_param_groups)
         self.optimizer = build_optimizer(groups, config.optim)
         self.scaler = grad_scaler(config.precision, self.device)
@@ -224,8 +229,15 @@ class Engine:
                 for v in (sample_size, loss_sum, terms, ooms, norm_sq)
             ]
         )
+        if self._check_sync:
+            # Each worker's own norm in its own slot: the sum over workers is the list of norms,
+            # so the consistency check costs no extra collective.
+            slots = torch.zeros(self.world_size, dtype=torch.float64, device=self._cdev)
+            slots[dist.rank()] = packed[4]
+            packed = torch.cat([packed, slots])
         dist.all_reduce_sum(packed)
-        total_size, total_loss, total_terms, total_ooms, total_norm_sq = packed.tolist()
+        reduced = packed.tolist()
+        total_size, total_loss, total_terms, total_ooms, total_norm_sq = reduced[:5]
 
         # DDP averaged the gradients over workers; sum mode wants them summed and divided by
         # the total sample size instead.
@@ -250,6 +262,8 @@ class Engine:
                 False, skipped, loss_value, total_size, grad_norm, values["lr"], time.perf_counter() - start
             )
 
+        if self._check_sync:
+            self._check_grad_sync([math.sqrt(v) for v in reduced[5:]])
         self._clip_and_normalise(grads, grad_factor, grad_norm)
         if self.epoch < cfg.freeze.last_layer_epochs:
             for p in self._frozen:
@@ -300,6 +314,22 @@ class Engine:
                 f"({again}); lower the micro-batch size"
             ) from err
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _check_grad_sync(self, norms: list[float]) -> None:
+        """Raise on every worker when DDP left different gradients on different workers (fairseq's
+        ``_check_grad_norms``). The norms came through the all-reduce, so every worker decides alike."""
+        rtol = self.config.grad_sync.rtol
+        reference = statistics.median(norms)  # with three or more workers, the odd ones out
+        off = [r for r, n in enumerate(norms) if abs(n - reference) > rtol * max(norms)]
+        if off:
+            detail = ", ".join(f"worker {r}: {n:.10g}" for r, n in enumerate(norms))
+            raise GradSyncError(
+                f"gradients differ between workers after DDP synchronisation at step {self.step}: "
+                f"gradient norms {detail}; worker(s) {', '.join(map(str, off))} differ by more than "
+                f"grad_sync.rtol={rtol:g}. Parameters that DDP does not synchronise, or a custom comm hook "
+                "or wrapper that skips the all-reduce, let the workers drift apart; set grad_sync.check=false "
+                "only if that is intended"
+            )
 
     def _clip_and_normalise(self, grads: list[torch.Tensor], factor: float, grad_norm: float) -> None:
         clip = self.config.clip
@@ -380,6 +410,10 @@ class Engine:
         m.add("grad_norm", grad_norm, w)
         m.add("lr", values["lr"], w)
         m.add("sample_size", total_size, w)
+        # Units (tokens, for a token-level criterion) per second of step time over all workers
+        # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
+        busy = compute + data_time
+        m.add("sample_size_per_s", total_size / busy, busy * w)
         m.add("compute_time", compute)
         m.add("data_time", data_time)
 
@@ -420,4 +454,5 @@ class Engine:
         c = state["counters"]
         self.step, self.epoch = int(c["step"]), int(c["epoch"])
         self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
-        set_rng_state(state["rng"])
+        if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
+            set_rng_state(state["rng"])

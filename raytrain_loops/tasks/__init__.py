@@ -2,7 +2,8 @@
 
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task
 from raytrain_loops.tasks.digits import DigitsTask
+from raytrain_loops.tasks.lm import LMTask
 
-BUILTIN = {"digits": DigitsTask}
+BUILTIN = {"digits": DigitsTask, "lm": LMTask}
 
-__all__ = ["BUILTIN", "DigitsTask", "EvalOutput", "MapSplit", "ParquetSplit", "Task", "build_task"]
+__all__ = ["BUILTIN", "DigitsTask", "EvalOutput", "LMTask", "MapSplit", "ParquetSplit", "Task", "build_task"]

@@ -1,0 +1,298 @@
+"""A byte-level causal language model on the Python standard library's own source (fairseq-style).
+
+The text is on every machine without a download: the ``.py`` files under
+``sysconfig.get_paths()["stdlib"]`` (tests and site-packages left out), or any directory named in
+``source``. :meth:`LMTask.prepare` cuts each file at line ends into sequences of at most
+``max_len`` bytes, splits train and validation by file (a hash of the path), and packs sequences
+of similar length into batches of at most ``max_tokens`` padded tokens (fairseq's
+``batch_by_size``). Each Parquet row is one such batch (``tokens``: the sequences' bytes
+concatenated; ``lengths``: one length per sequence), so ``data.batch_size=1`` row is one
+micro-batch of variable shape. The criterion is a sum over target tokens with
+``sample_size`` = the number of target tokens, for ``loss.reduction=sum``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
+
+COLUMNS = ["tokens", "lengths"]
+BOS = 256  # the input before a sequence's first byte; targets are bytes 0-255 only
+IGNORE = -100  # target of a padding position
+LN2 = math.log(2.0)
+SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+FORMAT = 1  # bump when the Parquet layout or the cutting rules change (a new cache directory)
+
+
+def source_files(root: Path) -> list[Path]:
+    """The ``.py`` files under ``root``, tests and installed packages left out, in a fixed order."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+    return files
+
+
+def is_validation(relpath: str, val_percent: float) -> bool:
+    """Whether a file belongs to the validation split: a stable hash of its relative path."""
+    return zlib.crc32(relpath.encode()) % 10_000 < val_percent * 100
+
+
+def cut(data: bytes, max_len: int) -> list[bytes]:
+    """Cut ``data`` into pieces of at most ``max_len`` bytes, each ending at a line end when the
+    window holds one (a longer line is cut where the window ends)."""
+    pieces, start = [], 0
+    while start < len(data):
+        end = min(start + max_len, len(data))
+        if end < len(data):
+            newline = data.rfind(b"\n", start, end)
+            if newline >= start:
+                end = newline + 1
+        pieces.append(data[start:end])
+        start = end
+    return pieces
+
+
+def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into batches of similar length whose padded size (rows x longest)
+    is at most ``max_tokens``, shortest first (fairseq's ``batch_by_size``)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def write_lm_parquet(
+    source: Path, out_dir: Path, max_len: int, max_tokens: int, val_percent: float, seed: int = 0
+) -> dict:
+    """Cut, split, pack and write ``train.parquet``, ``valid.parquet`` and ``stats.json`` (last,
+    as the marker of a complete write); return the stats. Idempotent."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stats_path = out_dir / "stats.json"
+    if stats_path.exists():
+        return json.loads(stats_path.read_text())
+    files = source_files(source)
+    if not files:
+        raise ValueError(f"task.params.source={str(source)!r}: no .py files there")
+    pieces: dict[str, list[bytes]] = {"train": [], "valid": []}
+    counts = {"train": 0, "valid": 0}
+    for path in files:
+        split = "valid" if is_validation(path.relative_to(source).as_posix(), val_percent) else "train"
+        pieces[split].extend(cut(path.read_bytes(), max_len))
+        counts[split] += 1
+    for split, n in counts.items():
+        if n == 0:
+            raise ValueError(
+                f"task.params.val_percent={val_percent}: the {split} split of {source} has no file "
+                f"({len(files)} files in all); choose a value that leaves files in both"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    stats: dict = {"source": str(source), "max_len": max_len, "max_tokens": max_tokens}
+    byte_counts = {}
+    for split, seqs in pieces.items():
+        batches = pack([len(s) for s in seqs], max_tokens)
+        order = rng.permutation(len(batches))  # rows in no particular length order
+        table = pa.table(
+            {
+                "tokens": pa.array([b"".join(seqs[i] for i in batches[j]) for j in order], pa.binary()),
+                "lengths": pa.array([[len(seqs[i]) for i in batches[j]] for j in order], pa.list_(pa.int32())),
+            }
+        )
+        tmp = out_dir / f"{split}.parquet.tmp{os.getpid()}"
+        pq.write_table(table, tmp)
+        os.replace(tmp, out_dir / f"{split}.parquet")
+        data = np.frombuffer(b"".join(seqs), dtype=np.uint8)
+        byte_counts[split] = np.bincount(data, minlength=256)
+        stats[split] = {"files": counts[split], "sequences": len(seqs), "batches": len(batches), "tokens": data.size}
+    # Unigram baseline: the train byte distribution (add-one smoothed), scored on validation.
+    train = byte_counts["train"]
+    bits = -np.log2((train + 1) / (train.sum() + 256))
+    stats["unigram_bits"] = bits.tolist()
+    stats["unigram_valid_bpb"] = float((byte_counts["valid"] * bits).sum() / byte_counts["valid"].sum())
+    tmp = out_dir / f"stats.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(stats, indent=1) + "\n")
+    os.replace(tmp, stats_path)
+    return stats
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (batch, heads, time, head_dim): a position-dependent
+    rotation of each pair of channels, so attention scores depend on relative offsets."""
+    t, d = x.shape[-2], x.shape[-1]
+    freqs = 10_000.0 ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q), rotary(k)
+        # Padding sits after each sequence's bytes, so the causal mask alone keeps it out of view.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block: attention, then a 4x GELU MLP, each a residual branch."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class ByteTransformer(nn.Module):
+    """A small GPT: byte embeddings, ``layers`` blocks with rotary positions, a 256-way byte head."""
+
+    def __init__(self, dim: int, layers: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(257, dim)  # 256 bytes + BOS
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256)
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                # GPT-2: residual output projections scaled down with depth.
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LMTask(Task):
+    """Byte-level language modelling with fairseq's sample-size normalisation (``loss.reduction=sum``).
+
+    Metrics: ``bpb`` (bits per byte) in training; ``eval_bpb`` and ``eval_unigram_bpb`` (the train
+    byte distribution scored on the same validation bytes) at each evaluation.
+    """
+
+    def __init__(
+        self,
+        dim: int = 128,
+        layers: int = 4,
+        heads: int = 4,
+        dropout: float = 0.0,
+        max_len: int = 256,
+        max_tokens: int = 4096,
+        val_percent: float = 2.0,
+        source: str = "",
+        compile: bool = False,
+    ):
+        for key, value, low in (("dim", dim, 1), ("layers", layers, 1), ("heads", heads, 1), ("max_len", max_len, 2)):
+            if value < low:
+                raise ValueError(f"task.params.{key} must be >= {low}; got {value}")
+        if dim % heads:
+            raise ValueError(f"task.params.dim={dim} must be a multiple of task.params.heads={heads}")
+        if max_tokens < max_len:
+            raise ValueError(f"task.params.max_tokens={max_tokens} must be >= task.params.max_len={max_len}")
+        if not 0 < val_percent < 100:
+            raise ValueError(f"task.params.val_percent must be in (0, 100); got {val_percent}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"task.params.dropout must be in [0, 1); got {dropout}")
+        self.dim, self.layers, self.heads, self.dropout = dim, layers, heads, dropout
+        self.max_len, self.max_tokens, self.val_percent = max_len, max_tokens, val_percent
+        self.source = Path(source).expanduser().resolve() if source else Path(sysconfig.get_paths()["stdlib"])
+        self.compile = compile
+        self.unigram_bits: list[float] | None = None  # set by prepare(), shipped to the workers with the task
+
+    def data_subdir(self, data_dir: Path) -> Path:
+        """The cache directory of this source and packing (one per distinct setting)."""
+        key = json.dumps([FORMAT, str(self.source), self.max_len, self.max_tokens, self.val_percent])
+        return data_dir / "lm" / f"{self.source.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+    def prepare(self, data_dir: Path) -> None:
+        if not self.source.is_dir():
+            raise ValueError(f"task.params.source={str(self.source)!r} is not a directory")
+        stats = write_lm_parquet(
+            self.source, self.data_subdir(data_dir), self.max_len, self.max_tokens, self.val_percent
+        )
+        self.unigram_bits = stats["unigram_bits"]
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        base = self.data_subdir(data_dir)
+        return {
+            "train": ParquetSplit(str(base / "train.parquet"), COLUMNS),
+            "eval": ParquetSplit(str(base / "valid.parquet"), COLUMNS),
+        }
+
+    def build_model(self) -> nn.Module:
+        model = ByteTransformer(self.dim, self.layers, self.heads, self.dropout)
+        if self.compile:
+            model.compile(dynamic=True)  # in place: parameter names stay those of the plain model
+        return model
+
+    def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Rows of packed sequences -> right-padded ``(inputs, targets, target token count)``:
+        inputs are BOS then the bytes shifted by one, targets the bytes (``IGNORE`` on padding)."""
+        lengths = np.concatenate([np.asarray(row, dtype=np.int64) for row in batch["lengths"]])
+        flat = torch.from_numpy(np.frombuffer(b"".join(batch["tokens"]), dtype=np.uint8).astype(np.int64))
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        inputs = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
+        targets = torch.full_like(inputs, IGNORE)
+        targets[rows, cols] = flat
+        inputs[:, 0] = BOS
+        shifted = cols < lengths[rows] - 1
+        inputs[rows[shifted], cols[shifted] + 1] = flat[shifted]
+        return inputs, targets, int(lengths.sum())
+
+    def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
+        inputs, targets, ntokens = batch
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        return LossOutput(loss, sample_size=ntokens, logs={"bpb": loss.detach() / (ntokens * LN2)})
+
+    def evaluate(self, model: nn.Module, batch) -> EvalOutput:
+        inputs, targets, ntokens = batch
+        logits = model(inputs).float()
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        out = {"bpb": (nll / (ntokens * LN2), ntokens), "loss": (nll / ntokens, ntokens)}
+        if self.unigram_bits is not None:
+            bits = torch.tensor(self.unigram_bits, device=targets.device)[targets[targets != IGNORE]]
+            out["unigram_bpb"] = (bits.sum() / ntokens, ntokens)
+        return out
