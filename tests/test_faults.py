@@ -115,7 +115,9 @@ def test_a_loss_spike_stops_the_run_without_a_retry(ray_session, tmp_path):
         "fault.plan=[{step: 9, rank: 1, kind: spike}]",
         "run.max_failures=3",
     )
-    with pytest.raises(TrainingStopped, match=r"LossSpikeError at step 9: loss spike at step 9: .* is \d+\.\dx the mean"):
+    with pytest.raises(
+        TrainingStopped, match=r"LossSpikeError at step 9: loss spike at step 9: .* is \d+\.\dx the mean"
+    ):
         fit(resolve("default"), overrides=overrides)
     run = Path(tmp_path / "runs" / "spike")
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -1,9 +1,22 @@
 """Tasks: model + criterion + data + evaluation, one per seed family."""
 
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task
+from raytrain_loops.tasks.cvnets import CvnetsTask
 from raytrain_loops.tasks.digits import DigitsTask
+from raytrain_loops.tasks.dino import DinoTask
 from raytrain_loops.tasks.lm import LMTask
 
-BUILTIN = {"digits": DigitsTask, "lm": LMTask}
+BUILTIN = {"digits": DigitsTask, "cvnets": CvnetsTask, "dino": DinoTask, "lm": LMTask}
 
-__all__ = ["BUILTIN", "DigitsTask", "EvalOutput", "LMTask", "MapSplit", "ParquetSplit", "Task", "build_task"]
+__all__ = [
+    "BUILTIN",
+    "CvnetsTask",
+    "DigitsTask",
+    "DinoTask",
+    "EvalOutput",
+    "LMTask",
+    "MapSplit",
+    "ParquetSplit",
+    "Task",
+    "build_task",
+]
