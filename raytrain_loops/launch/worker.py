@@ -150,8 +150,8 @@ def evaluate(engine: Engine, task: Task, batches: Batches, config: Config, epoch
 
 
 class Checkpointer:
-    """Writes this worker's part of a checkpoint and reports it; restores from Ray's checkpoint,
-    or from the newest intact one before it when that one is damaged."""
+    """Writes this worker's part of a checkpoint and reports it; restores the run's newest intact
+    checkpoint."""
 
     def __init__(self, engine: Engine, rank: int, world: int, run_dir: str):
         self.engine, self.rank, self.world, self.run_dir = engine, rank, world, run_dir
