@@ -153,18 +153,21 @@ def test_submit_the_default_recipe_through_the_jobs_api(head, tmp_path):
     assert "train digits.yaml loop.max_steps=8" in out.stdout  # the recipe, relative to the working dir
 
 
+def _second_node(head, log_name: str) -> Node:
+    """A node with 2 CPUs joining the head, every port of its own explicit."""
+    names = (
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "metrics-export-port",
+        "runtime-env-agent-port",
+    )
+    ports = [f"--{name}={_free_port()}" for name in names]
+    return Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / log_name)
+
+
 @pytest.mark.ray
 def test_two_node_cluster_runs_one_training_worker_on_each_node(head, tmp_path):
-    ports = [
-        f"--{name}={_free_port()}"
-        for name in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "metrics-export-port",
-            "runtime-env-agent-port",
-        )
-    ]
-    worker = Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / "worker.log")
+    worker = _second_node(head, "worker.log")
     try:
         out = _submit(head, tmp_path, "scaling.placement_strategy=STRICT_SPREAD")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -207,17 +210,8 @@ def test_an_elastic_run_goes_on_with_fewer_workers_when_a_node_goes(head, tmp_pa
     """scaling.min_workers=1 of 2: the node of one worker is stopped mid-run; Ray Train restarts
     the group with the one worker the head holds, which takes two micro-batches per update (the
     same global batch), and the run ends close to a fixed-size run of the same config."""
-    ports = [
-        f"--{name}={_free_port()}"
-        for name in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "metrics-export-port",
-            "runtime-env-agent-port",
-        )
-    ]
     common = ["loop.max_steps=60", "scaling.cpus_per_worker=2", "checkpoint.every_steps=5", "eval.every_steps=60"]
-    worker = Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / "elastic.log")
+    worker = _second_node(head, "elastic.log")
     try:
         deadline = time.monotonic() + 60
         while _cluster_cpus(head) < 5:  # the head's 3 and the node's 2: room for both workers
