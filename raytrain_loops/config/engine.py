@@ -21,6 +21,7 @@ __all__ = [
     "GradSyncConfig",
     "SpikeConfig",
     "LoggingConfig",
+    "EngineConfig",
     "default_schedules",
 ]
 
@@ -231,3 +232,21 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         at_least(self, 1, "every_steps")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The sections :class:`raytrain_loops.engine.Engine` reads, and nothing else: the step does
+    not see the data, the loop's cadence, the workers or the run's storage. ``Config.engine``
+    gives the view of a whole run config."""
+
+    optim: OptimConfig = opt(OptimConfig(), "Optimizer and parameter groups.")
+    schedules: dict[str, Schedule] = opt(default_schedules(), "Values as functions of the step.")
+    precision: PrecisionConfig = opt(PrecisionConfig(), "Autocast and loss scaling.")
+    loss: LossConfig = opt(LossConfig(), "Loss reduction across micro-batches and workers.")
+    clip: ClipConfig = opt(ClipConfig(), "Gradient clipping.")
+    freeze: FreezeConfig = opt(FreezeConfig(), "Last-layer freezing.")
+    ema: EMAConfig = opt(EMAConfig(), "Weight EMA / momentum teacher.")
+    nonfinite: NonFiniteConfig = opt(NonFiniteConfig(), "Non-finite loss or gradient policy.")
+    oom: OOMConfig = opt(OOMConfig(), "Out-of-memory policy.")
+    grad_sync: GradSyncConfig = opt(GradSyncConfig(), "Check that workers hold the same gradients.")

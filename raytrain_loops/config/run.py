@@ -11,6 +11,7 @@ from raytrain_loops.config.engine import (
     AccumConfig,
     ClipConfig,
     EMAConfig,
+    EngineConfig,
     FreezeConfig,
     GradSyncConfig,
     LoggingConfig,
@@ -223,6 +224,22 @@ class Config:
         for what, v in (("value", m.value), ("end", m.end if m.kind in ("cosine", "linear") else m.value)):
             if not 0.0 <= v <= 1.0:
                 raise ConfigError(f"schedules.ema_momentum.{what}", f"must be in [0, 1]; got {v}")
+
+    @property
+    def engine(self) -> EngineConfig:
+        """The sections the engine's step reads (the same objects, not copies)."""
+        return EngineConfig(
+            optim=self.optim,
+            schedules=self.schedules,
+            precision=self.precision,
+            loss=self.loss,
+            clip=self.clip,
+            freeze=self.freeze,
+            ema=self.ema,
+            nonfinite=self.nonfinite,
+            oom=self.oom,
+            grad_sync=self.grad_sync,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (YAML/JSON-safe) of the whole config."""
