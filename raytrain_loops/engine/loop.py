@@ -1,10 +1,132 @@
-"""Feeding the step: group a batch stream into micro-batch lists and time the wait for data."""
+"""The per-worker training loop, without Ray: epochs of steps until the run's length, evaluation,
+reports and checkpoints on schedule, and once more at the end through the same path.
+
+The loop talks to the outside through three small interfaces (see docs/architecture.md):
+
+- a :class:`BatchSource`: this worker's batches of a split for an epoch, from a position;
+- a :class:`Reporter`: metrics, and a checkpoint of the engine with its data position;
+- :class:`Callback` objects, with no-op defaults, for what varies between runs: the run log and
+  progress line, the loss-spike guard, injected faults.
+
+Every decision in the loop comes from values that are identical on every worker (the step's
+all-reduced result, counters), so every worker makes the same calls to collectives, to the
+reporter and to the callbacks, in the same order.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from raytrain_loops.config.engine import AccumConfig, SpikeConfig
+from raytrain_loops.config.run import Config, LoopConfig
+from raytrain_loops.engine.guards import SpikeDetector
+from raytrain_loops.engine.length import accum_steps, steps_in_epoch
+from raytrain_loops.engine.meters import Meters
+from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.step import Engine, StepResult, to_device
+
+__all__ = [
+    "BatchSource",
+    "Callback",
+    "Loop",
+    "LoopSettings",
+    "Position",
+    "Reporter",
+    "SpikeGuard",
+    "accum_steps",
+    "evaluate",
+    "timed_groups",
+]
+
+EvaluateFn = Callable[[nn.Module, Any], dict[str, tuple[Any, float]]]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where this worker's data stands: the epoch, and how many of its batches were consumed."""
+
+    epoch: int = 0
+    batches: int = 0
+
+
+class BatchSource(Protocol):
+    """This worker's data. ``batches_per_epoch`` counts its training batches in one epoch;
+    ``batches(split, epoch, start)`` yields the batches of ``split`` ("train" or "eval") for
+    ``epoch``, leaving out the first ``start`` (a resumed run continues where it stopped)."""
+
+    batches_per_epoch: int
+    has_eval: bool
+
+    def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]: ...
+
+
+class Reporter(Protocol):
+    """Where the loop's results go. ``report`` is called on every worker at the same points;
+    with ``checkpoint`` (the data position after this step) it also saves the engine's state."""
+
+    def report(self, metrics: dict[str, float], checkpoint: Position | None) -> None: ...
+
+
+class Callback:
+    """Hooks the loop calls on every worker at the same points; each does nothing by default."""
+
+    def on_step(self, result: StepResult, step: int, epoch: int) -> None:
+        """After every call of the step, applied or skipped; ``step`` counts applied updates."""
+
+    def on_interval(self, metrics: dict[str, float], step: int) -> None:
+        """Every ``logging.every_steps`` calls, with the metrics averaged over all workers."""
+
+    def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        """After an evaluation, with its metrics averaged over all workers."""
+
+    def before_checkpoint(self) -> None:
+        """Right before a checkpoint is reported (flush what must be in the run directory)."""
+
+    def close(self) -> None:
+        """When the loop ends, normally or on an error."""
+
+
+class SpikeGuard(Callback):
+    """Stops the run on a loss spike: each applied update's loss (the same on every worker) goes
+    to a :class:`SpikeDetector` built from the ``spike`` config section."""
+
+    def __init__(self, cfg: SpikeConfig):
+        self.detector = SpikeDetector(cfg.factor, cfg.window, cfg.min_steps)
+
+    def on_step(self, result: StepResult, step: int, epoch: int) -> None:
+        if result.applied:
+            self.detector.check(result.loss, step)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The config sections the loop reads: the run's length, accumulation, and cadences."""
+
+    length: LoopConfig
+    accum: AccumConfig
+    eval_every: int = 0  # 0: at the end of every epoch
+    eval_ema: bool = True
+    checkpoint_every: int = 0  # 0: at the end of every epoch
+    report_every: int = 50
+    log_every: int = 10
+
+    @classmethod
+    def of(cls, config: Config) -> LoopSettings:
+        return cls(
+            length=config.loop,
+            accum=config.accum,
+            eval_every=config.eval.every_steps,
+            eval_ema=config.eval.ema,
+            checkpoint_every=config.checkpoint.every_steps,
+            report_every=config.run.report_every_steps,
+            log_every=config.logging.every_steps,
+        )
 
 
 def timed_groups(batches: Iterable[Any], k: int) -> Iterator[tuple[list[Any], float]]:
@@ -28,8 +150,125 @@ def timed_groups(batches: Iterable[Any], k: int) -> Iterator[tuple[list[Any], fl
             return
 
 
-def accum_steps(accum_cfg, epoch: int, scale: float = 1.0) -> int:
-    """Micro-batches per update in ``epoch``: 1 before ``accum.start_epoch`` (cvnets), then
-    ``accum.steps``; times ``scale`` (full group size / current size) when an elastic group
-    runs short of workers, so the global batch stays the same (to the nearest micro-batch)."""
-    return max(1, round((accum_cfg.steps if epoch >= accum_cfg.start_epoch else 1) * scale))
+def evaluate(engine: Engine, batches: Iterable[Any], evaluate_fn: EvaluateFn, with_ema: bool) -> dict[str, float]:
+    """Evaluate the model (and its EMA, metrics prefixed ``eval_ema_``) on ``batches``; the
+    means over all workers' batches, weighted by their counts."""
+    models = [("", engine.module)]
+    if engine.ema is not None and with_ema:
+        models.append(("ema_", engine.ema.module))
+    meters = Meters()
+    for _, m in models:
+        m.eval()
+    with torch.no_grad(), autocast(engine.config.precision, engine.device):
+        for batch in batches:
+            batch = to_device(batch, engine.device)
+            for prefix, m in models:
+                for name, (value, count) in evaluate_fn(m, batch).items():
+                    meters.add(f"eval_{prefix}{name}", value, count)
+    engine.model.train()
+    return meters.reduce()
+
+
+def _due(every: int, step: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+class Loop:
+    """Runs ``engine`` over ``source`` until ``engine.total_steps``.
+
+    ``scale`` (full group size / current size) is above 1 when an elastic group runs short of
+    workers: each update then takes more micro-batches, so the global batch stays the same.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        source: BatchSource,
+        reporter: Reporter,
+        settings: LoopSettings,
+        evaluate_fn: EvaluateFn,
+        callbacks: Sequence[Callback] = (),
+        scale: float = 1.0,
+    ):
+        self.engine, self.source, self.reporter, self.settings = engine, source, reporter, settings
+        self.evaluate_fn, self.callbacks, self.scale = evaluate_fn, list(callbacks), scale
+        self.metrics: dict[str, float] = {}  # the latest interval's, carried by every report
+        self.last_eval: dict[str, float] = {}  # the latest evaluation's, carried by every report
+        self.calls = 0
+
+    @property
+    def total(self) -> int:
+        return self.engine.total_steps
+
+    def run(self, position: Position = Position()) -> None:
+        """Train from ``position`` (where a restored checkpoint left the data) to the end; the
+        final evaluation, checkpoint and report take the same path as the periodic ones."""
+        try:
+            while self.engine.step < self.total:
+                position, finished = self._epoch(position)
+                if not finished:
+                    break
+            self.metrics.update(self.engine.reduce_metrics())
+            self._report(position, evaluate_now=True, checkpoint_now=True, done=True)
+        finally:
+            for cb in self.callbacks:
+                cb.close()
+
+    def _epoch(self, position: Position) -> tuple[Position, bool]:
+        """One epoch's steps, from ``position`` when it is in this epoch; the position after
+        it, and whether the epoch ran to its end (not stopped at the run's length inside it)."""
+        engine = self.engine
+        epoch = engine.epoch
+        k = accum_steps(self.settings.accum, epoch, self.scale)
+        steps = steps_in_epoch(self.settings.accum, self.source.batches_per_epoch, epoch, self.scale)
+        start = position.batches if position.epoch == epoch else 0
+        stream = iter(self.source.batches("train", epoch, start))
+        done = start // k
+        groups = timed_groups(stream, k)
+        while done < steps and engine.step < self.total:
+            group, wait = next(groups, ([], 0.0))
+            done += 1
+            # A worker that ran out of data joins the step with placeholders (zero contribution).
+            self._step(list(group) + [None] * (k - len(group)), wait, Position(epoch, done * k))
+        if done < steps:
+            return Position(epoch, done * k), False  # a resumed run continues right here
+        for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
+            pass
+        engine.epoch += 1
+        position = Position(engine.epoch, 0)
+        s = self.settings
+        if engine.step < self.total and (s.eval_every == 0 or s.checkpoint_every == 0):
+            self._report(position, evaluate_now=s.eval_every == 0, checkpoint_now=s.checkpoint_every == 0)
+        return position, True
+
+    def _step(self, group: list[Any], wait: float, after: Position) -> None:
+        engine, s = self.engine, self.settings
+        result = engine.train_step(group, data_time=wait)
+        self.calls += 1
+        for cb in self.callbacks:
+            cb.on_step(result, engine.step, after.epoch)
+        if self.calls % s.log_every == 0:
+            self.metrics = engine.reduce_metrics()
+            for cb in self.callbacks:
+                cb.on_interval(self.metrics, engine.step)
+        if not result.applied or engine.step >= self.total:
+            return  # the final report comes after the loop
+        evaluate_now = _due(s.eval_every, engine.step)
+        checkpoint_now = _due(s.checkpoint_every, engine.step)
+        if evaluate_now or checkpoint_now or _due(s.report_every, engine.step):
+            self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now)
+
+    def _report(self, position: Position, *, evaluate_now: bool, checkpoint_now: bool, done: bool = False) -> None:
+        engine = self.engine
+        if evaluate_now and self.source.has_eval:
+            eval_batches = self.source.batches("eval", engine.epoch)
+            self.last_eval.update(evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema))
+            for cb in self.callbacks:
+                cb.on_eval(self.last_eval, engine.step, engine.epoch)
+        # Every report carries the latest evaluation, so a sweep's metric is in each of them.
+        metrics = {**self.metrics, **({"done": 1.0} if done else {}), **self.last_eval}
+        metrics.update(step=engine.step, epoch=engine.epoch)
+        if checkpoint_now:
+            for cb in self.callbacks:
+                cb.before_checkpoint()
+        self.reporter.report(metrics, position if checkpoint_now else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def root_cause(err: BaseException) -> str:
     """The innermost meaningful message of a (possibly Ray-wrapped) training failure."""
@@ -16,6 +18,15 @@ def root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
+@dataclass
+class Stopped:
+    """What the workers return when the run stopped on an error that retrying cannot fix."""
+
+    kind: str
+    message: str
+    step: int
+
+
 class TrainingStopped(RuntimeError):
     """The run stopped on an error that retrying cannot fix (non-finite values, a loss spike,
     persistent OOM, workers out of sync); Ray did not restart it."""
@@ -28,5 +39,5 @@ class TrainingStopped(RuntimeError):
 def raise_if_stopped(result) -> None:
     """Raise :class:`TrainingStopped` when the workers ended the run on a non-retryable error."""
     stopped = result.return_value
-    if isinstance(stopped, dict) and "stopped" in stopped:
-        raise TrainingStopped(stopped["stopped"], stopped["message"], stopped["step"])
+    if isinstance(stopped, Stopped):
+        raise TrainingStopped(stopped.kind, stopped.message, stopped.step)

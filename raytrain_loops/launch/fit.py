@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from raytrain_loops.config import Config, ConfigError, load_config
+from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.errors import raise_if_stopped
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
@@ -91,7 +92,17 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             "data.batch_size",
             f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.num_workers} training rows per worker",
         )
+    planned_steps(config, splits, rows)  # an epoch too short for one update fails here, not on the workers
     return task, splits, rows
+
+
+def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) -> int:
+    """The run's length in optimizer steps with all ``scaling.num_workers`` workers, as the loop
+    will count it on every worker."""
+    per_worker = batches_per_epoch(
+        rows["train"], config.scaling.num_workers, config.data.batch_size, padded=isinstance(splits["train"], MapSplit)
+    )
+    return total_steps(config.loop, config.accum, per_worker)
 
 
 def ensure_ray(config: Config, num_cpus: float = 0) -> None:

@@ -1,7 +1,7 @@
 """Rank 0's record of a run: per-step JSON lines, TensorBoard events and a progress line.
 
-Every other rank gets a :class:`RunLog` whose methods do nothing, so the loop calls it without
-``if rank == 0`` everywhere.
+A loop :class:`~raytrain_loops.engine.loop.Callback`. On every other rank its methods do
+nothing, so every worker runs the same loop.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import time
 from datetime import timedelta
 
 from raytrain_loops.engine import StepResult
+from raytrain_loops.engine.loop import Callback
 from raytrain_loops.launch import storage
 
 
-class RunLog:
+class RunLog(Callback):
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` and ``tb/`` for rank 0."""
 
     def __init__(
@@ -41,7 +42,7 @@ class RunLog:
         self._t0 = time.perf_counter()
         self._start_step = start_step
 
-    def step(self, result: StepResult, step: int, epoch: int) -> None:
+    def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         if not self.enabled:
             return
         record = {
@@ -59,7 +60,7 @@ class RunLog:
         }
         self._steps.write(json.dumps(record) + "\n")
 
-    def interval(self, metrics: dict[str, float], step: int) -> None:
+    def on_interval(self, metrics: dict[str, float], step: int) -> None:
         """Once per logging interval: TensorBoard scalars and the progress line."""
         if not self.enabled:
             return
@@ -80,7 +81,7 @@ class RunLog:
             f"loss {metrics.get('loss', math.nan):.4f} | lr {metrics.get('lr', math.nan):.2e} | eta {eta_text}"
         )
 
-    def evaluation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+    def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if not self.enabled:
             return
         self._evals.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
@@ -91,7 +92,7 @@ class RunLog:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
             print(f"eval at step {step}: {shown}", flush=True)
 
-    def sync(self) -> None:
+    def before_checkpoint(self) -> None:
         """Flush, and copy to the run directory when it is remote."""
         if not self.enabled:
             return
@@ -102,7 +103,7 @@ class RunLog:
     def close(self) -> None:
         if not self.enabled:
             return
-        self.sync()
+        self.before_checkpoint()
         self._steps.close()
         self._evals.close()
         self._tb.close()

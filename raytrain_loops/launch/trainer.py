@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ray.data
@@ -10,7 +11,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_loops.config import Config
 from raytrain_loops.launch import storage
-from raytrain_loops.launch.worker import train_loop_per_worker
+from raytrain_loops.launch.worker import WorkerPayload, train_loop_per_worker
 from raytrain_loops.tasks import ParquetSplit, Task
 
 
@@ -98,17 +99,9 @@ def build_trainer(
     # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
     # copies the driver's DataContext when the trainer is built.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    payload = {
-        "config": config.to_dict(),
-        "task": task,
-        "splits": splits,
-        "rows": rows,
-        "run_dir": run_dir,
-        "init_checkpoint": init_checkpoint,
-    }
+    payload = WorkerPayload(config, task, splits, rows, run_dir, init_checkpoint)
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=payload,
+        functools.partial(train_loop_per_worker, payload),
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
         scaling_config=scaling_config(config),
         run_config=run_config(config, name, callbacks),

@@ -1,0 +1,118 @@
+"""The loop's reporter on Ray: ``ray.train.report`` with checkpoint files, and the restore of a
+run's newest intact checkpoint. The files themselves are :mod:`raytrain_loops.engine.checkpoint`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import ray
+import ray.train
+
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.loop import Position
+from raytrain_loops.launch import storage
+
+
+class RayReporter:
+    """Writes this worker's part of a checkpoint and reports it; restores the run's newest intact
+    checkpoint."""
+
+    def __init__(self, engine: Engine, rank: int, world: int, run_dir: str):
+        self.engine, self.rank, self.world, self.run_dir = engine, rank, world, run_dir
+        self.loaded: dict[str, Any] | None = None  # what restore() loaded: path, model digest, skipped
+
+    def _dir_name(self) -> str:
+        """``checkpoint_<step>``; with a suffix when that directory exists (written by an attempt
+        that failed, or found damaged), so a new checkpoint never merges into an old one. Only
+        rank 0's name counts: Ray gives every worker's files the name rank 0 chose."""
+        name = f"checkpoint_{self.engine.step:08d}"
+        if self.rank != 0:
+            return name
+        candidate, n = name, 1
+        while storage.exists(storage.join(self.run_dir, candidate)):
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
+
+    def report(self, metrics: dict[str, Any], checkpoint: Position | None) -> None:
+        """``ray.train.report`` on every worker; with a checkpoint when ``checkpoint`` (the data
+        position to resume from) is given.
+
+        Reports are asynchronous: the training thread waits only for the other workers (a
+        barrier), while the upload and the hand-over to Ray's controller (which polls every
+        couple of seconds) happen on Ray's background thread, which then deletes the local copy.
+        The files are written here first, so the checkpoint holds the state of this step.
+        """
+        async_mode = ray.train.CheckpointUploadMode.ASYNC
+        if checkpoint is None:
+            ray.train.report(metrics, checkpoint_upload_mode=async_mode)
+            return
+        tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+        try:
+            state = self.engine.state_dict()
+            mine = {
+                "rng": state.pop("rng"),
+                "data": {"epoch": checkpoint.epoch, "batches": checkpoint.batches},
+                "world_size": self.world,
+                "node_id": ray.get_runtime_context().get_node_id(),  # where this worker ran
+            }
+            files = {ckpt_files.rank_file(self.rank): mine}
+            if self.rank == 0:
+                files[ckpt_files.STATE] = state
+            ckpt_files.write_files(tmp, self.rank, files, self.world)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                checkpoint_dir_name=self._dir_name(),
+                checkpoint_upload_mode=async_mode,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def restore(self, init_checkpoint: str | None = None) -> Position | None:
+        """Load this run's newest intact checkpoint, else ``init_checkpoint`` (another run's, e.g.
+        a PBT donor's); return the data position.
+
+        The candidates are every checkpoint directory of the run, newest first: the one Ray
+        registered last, and any newer one a failed attempt finished writing before Ray had
+        registered it (reports are asynchronous). A damaged one is skipped with a warning for the
+        one before it. Every worker reads the same files, so all pick the same checkpoint.
+        """
+        paths = [p for p in storage.list_dirs(self.run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
+        latest = ray.train.get_checkpoint()
+        if latest is not None and os.path.basename(latest.path.rstrip("/")) not in map(os.path.basename, paths):
+            paths.append(latest.path)
+        paths.sort(key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
+        if not paths:
+            return self._load(ray.train.Checkpoint(init_checkpoint), skipped=[]) if init_checkpoint else None
+        skipped: list[dict[str, str]] = []
+        for path in paths:
+            try:
+                return self._load(ray.train.Checkpoint(path), skipped)
+            except ckpt_files.CheckpointError as err:
+                if self.rank == 0:
+                    print(f"warning: checkpoint {path} is unusable, trying the one before: {err}", flush=True)
+                skipped.append({"checkpoint": path, "reason": str(err)})
+        raise ckpt_files.CheckpointError(f"no intact checkpoint in {self.run_dir}; the newest: {skipped[0]['reason']}")
+
+    def _load(self, checkpoint, skipped: list[dict[str, str]]) -> Position:
+        with checkpoint.as_directory() as d:
+            world = ckpt_files.verify(d)
+            shared = ckpt_files.read_file(d, ckpt_files.STATE)
+            # A group of another size (an elastic resize) takes rank 0's position, rescaled.
+            mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank if world == self.world else 0))
+        state = {**shared, "rng": mine["rng"]} if world == self.world else shared
+        self.engine.load_state_dict(state)
+        self.loaded = {
+            "checkpoint": checkpoint.path,
+            "model_sha256": ckpt_files.digest(shared["model"]),
+            "world_size": world,
+            "skipped": skipped,
+        }
+        batches = mine["data"]["batches"]
+        return Position(int(mine["data"]["epoch"]), batches * world // self.world if world != self.world else batches)

@@ -1,0 +1,206 @@
+"""The per-worker loop without Ray: a fake batch source, a recording reporter, a real engine.
+
+Cadence of evaluations, reports and checkpoints (the final ones exactly once), a mid-epoch
+resume that continues bit for bit, and equal report counts on workers with uneven data.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from raytrain_loops.config import ConfigError, load_config
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.length import batches_per_epoch, total_steps
+from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
+from tests import fakes
+from tests.gloo import run_gloo
+
+BATCH = 4
+
+
+class FakeSource:
+    """``batches_per_epoch`` training batches per epoch (row ids ``epoch * 1000 + i``), shuffled
+    per epoch by a seeded generator, and 2 evaluation batches. Records every batch it yields."""
+
+    def __init__(self, batches_per_epoch: int, available: int | None = None, seed: int = 0):
+        self.batches_per_epoch = batches_per_epoch
+        self.available = batches_per_epoch if available is None else available  # fewer: this worker runs out
+        self.has_eval = True
+        self.seed = seed
+        self.yielded: list[tuple[int, int]] = []  # (epoch, batch index) of training batches
+        self.x, self.y = fakes.regression_data(n=BATCH * 64, seed=3)
+
+    def _batch(self, row: int):
+        return self.x[row * BATCH % len(self.x) :][:BATCH], self.y[row * BATCH % len(self.y) :][:BATCH]
+
+    def batches(self, split: str, epoch: int, start: int = 0):
+        if split == "eval":
+            return [self._batch(50 + i) for i in range(2)]
+        order = torch.randperm(self.available, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        return self._train(epoch, order, start)
+
+    def _train(self, epoch, order, start):
+        for i in range(start, self.available):
+            self.yielded.append((epoch, i))
+            yield self._batch(order[i] + 7 * epoch)
+
+
+@dataclass
+class RecordingReporter:
+    engine: Engine
+    reports: list[dict] = field(default_factory=list)
+    saved: dict[int, tuple[dict, Position]] = field(default_factory=dict)  # step -> (state, position)
+
+    def report(self, metrics, checkpoint):
+        self.reports.append({"metrics": dict(metrics), "checkpoint": checkpoint})
+        if checkpoint is not None:
+            self.saved[self.engine.step] = (copy.deepcopy(self.engine.state_dict()), checkpoint)
+
+
+class Counting(Callback):
+    def __init__(self):
+        self.calls: dict[str, int] = {"on_step": 0, "on_interval": 0, "on_eval": 0, "before_checkpoint": 0, "close": 0}
+
+    def on_step(self, result, step, epoch):
+        self.calls["on_step"] += 1
+
+    def on_interval(self, metrics, step):
+        self.calls["on_interval"] += 1
+
+    def on_eval(self, metrics, step, epoch):
+        self.calls["on_eval"] += 1
+
+    def before_checkpoint(self):
+        self.calls["before_checkpoint"] += 1
+
+    def close(self):
+        self.calls["close"] += 1
+
+
+def _evaluate(model, batch):
+    x, y = batch
+    return {"mse": (torch.nn.functional.mse_loss(model(x), y), len(x))}
+
+
+def _run(*overrides, batches=7, available=None, model=None, position=Position(), state=None, callbacks=()):
+    cfg = fakes.config("schedules.lr.value=0.05", *overrides)
+    source = FakeSource(batches, available)
+    total = total_steps(cfg.loop, cfg.accum, batches)
+    engine = Engine(model or fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=total)
+    if state is not None:
+        engine.load_state_dict(state)
+    reporter = RecordingReporter(engine)
+    Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks).run(position)
+    return engine, source, reporter
+
+
+CADENCE = ["loop.epochs=3", "accum.steps=2", "eval.every_steps=0", "checkpoint.every_steps=4"]
+CADENCE += ["run.report_every_steps=2", "logging.every_steps=1"]
+
+
+def test_evaluations_reports_and_checkpoints_follow_their_cadence_and_the_final_ones_come_once():
+    counting = Counting()
+    engine, source, reporter = _run(*CADENCE, callbacks=[counting])
+    # 7 batches of 2 micro-batches: 3 steps an epoch (one batch dropped), 9 in all.
+    assert engine.step == 9 and engine.epoch == 3
+    seen = [(r["metrics"]["step"], r["checkpoint"], "eval_mse" in r["metrics"]) for r in reporter.reports]
+    assert seen == [
+        (2, None, False),  # report_every_steps
+        (3, None, True),  # end of epoch 0: evaluation (eval.every_steps=0), no checkpoint (every 4 steps)
+        (4, Position(1, 2), True),  # checkpoint mid-epoch 1, one step (2 batches) into it
+        (6, None, True),  # report_every_steps ...
+        (6, None, True),  # ... and the end of epoch 1, with a new evaluation
+        (8, Position(2, 4), True),
+        (9, Position(3, 0), True),  # the final evaluation, checkpoint and report, once
+    ]
+    assert [r["metrics"].get("done") for r in reporter.reports] == [None] * 6 + [1.0]
+    assert counting.calls == {"on_step": 9, "on_interval": 9, "on_eval": 3, "before_checkpoint": 3, "close": 1}
+    # Every epoch's batches were read to the end (the dropped one too), none twice.
+    assert source.yielded == [(e, i) for e in range(3) for i in range(7)]
+
+
+def test_eval_and_checkpoint_every_n_steps_leave_epoch_ends_alone():
+    engine, _, reporter = _run(
+        "loop.epochs=2", "accum.steps=1", "eval.every_steps=5", "checkpoint.every_steps=5", "run.report_every_steps=100"
+    )
+    seen = [(r["metrics"]["step"], r["checkpoint"], r["metrics"].get("done")) for r in reporter.reports]
+    assert engine.step == 14
+    assert seen == [(5, Position(0, 5), None), (10, Position(1, 3), None), (14, Position(2, 0), 1.0)]
+
+
+def test_a_run_resumed_mid_epoch_continues_bit_for_bit_with_the_batches_it_had_left():
+    straight, straight_source, reporter = _run(*CADENCE)
+    state, position = reporter.saved[4]  # step 4: epoch 1, 2 batches in
+    assert position == Position(1, 2)
+    resumed, resumed_source, _ = _run(*CADENCE, model=fakes.make_model(seed=9), position=position, state=state)
+    assert resumed.step == straight.step == 9
+    for name, value in straight.module.state_dict().items():
+        assert torch.equal(value, resumed.module.state_dict()[name]), name
+    # The resumed run read exactly what the straight one read after the checkpoint.
+    cut = straight_source.yielded.index((1, 2))
+    assert resumed_source.yielded == straight_source.yielded[cut:]
+
+
+def test_max_steps_inside_an_epoch_stops_there_and_checkpoints_the_position():
+    engine, source, reporter = _run("loop.max_steps=5", "accum.steps=2", "checkpoint.every_steps=100")
+    assert engine.step == 5 and engine.epoch == 1
+    assert reporter.reports[-1]["checkpoint"] == Position(1, 4)  # 2 steps of 2 batches into epoch 1
+    assert [r["checkpoint"] is not None for r in reporter.reports] == [False, True]  # epoch 0's end; the final one
+    assert source.yielded[-1] == (1, 3)  # the rest of epoch 1 is left for a resumed run
+
+
+def _uneven(rank: int, world: int):
+    torch.manual_seed(0)
+    counting = Counting()
+    # Worker 1 has 2 batches fewer per epoch: it joins its last steps with placeholders.
+    engine, _, reporter = _run(
+        *CADENCE,
+        "logging.every_steps=2",
+        available=7 if rank == 0 else 5,
+        model=DDP(fakes.make_model()),
+        callbacks=[counting],
+    )
+    return {
+        "reports": [(r["metrics"]["step"], r["checkpoint"] and r["checkpoint"].batches) for r in reporter.reports],
+        "calls": counting.calls,
+        "weights": fakes.params(engine.module),
+    }
+
+
+def test_workers_with_uneven_data_make_the_same_reports_and_end_with_the_same_weights():
+    outcomes = run_gloo(2, _uneven, timeout=90)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    a, b = (o.value for o in outcomes)
+    assert a["reports"] == b["reports"] and len(a["reports"]) == 7
+    assert a["calls"] == b["calls"]
+    for name in a["weights"]:
+        assert torch.equal(a["weights"][name], b["weights"][name]), name
+
+
+@pytest.mark.parametrize("rows,world,batch", [(1347, 2, 32), (10, 3, 3), (7, 4, 1), (100, 1, 7)])
+def test_the_padded_count_matches_what_a_distributed_sampler_yields(rows, world, batch):
+    data = list(range(rows))
+    for rank in range(world):
+        loader = DataLoader(data, batch_size=batch, drop_last=True, sampler=DistributedSampler(data, world, rank))
+        assert batches_per_epoch(rows, world, batch, padded=True) == len(loader)
+    assert batches_per_epoch(rows, world, batch) == rows // world // batch
+
+
+def test_fit_rejects_an_epoch_shorter_than_one_update_before_ray_starts(tmp_path):
+    from raytrain_loops import fit
+    from raytrain_loops.recipes import resolve
+
+    # 1347 training rows / 2 workers / 64 a batch = 10 batches per worker, fewer than 16.
+    overrides = [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}", "accum.steps=16"]
+    with pytest.raises(ConfigError) as info:
+        fit(resolve("default"), overrides=overrides + ["data.batch_size=64"])
+    assert info.value.key == "accum.steps" and "holds 10 batches per worker" in str(info.value)
+    assert not (tmp_path / "runs").exists()  # refused before the run directory (and Ray) existed
+    with pytest.raises(ConfigError, match="accum.steps"):
+        total_steps(load_config(None).loop, load_config(None, ["accum.steps=3"]).accum, 2)
