@@ -127,7 +127,8 @@ def ensure_ray(config: Config, num_cpus: float = 0) -> None:
 
 
 def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
-    """A new local Ray instance whose dashboard (on 127.0.0.1) every process of it can find.
+    """A new local Ray instance whose dashboard (on 127.0.0.1) every process of it can find, with
+    its workers at the priority of its own services (``RAY_worker_niceness``, 0 unless set).
 
     Ray Train cleans up after a controller that died (a stopped Tune trial, a killed driver)
     through the State API, which it finds through the dashboard's address. Without
@@ -144,6 +145,10 @@ def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
         port = sock.getsockname()[1]
     # Set before ray.init: the raylet and every worker inherit the driver's environment.
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    # Ray starts its workers at nice 15, below its own services. On a machine that this run has
+    # to itself, the training workers are the work: at nice 15 every wake-up of a Ray service
+    # preempts them (measured: ~190 preemptions/s of the training thread, steps ~5% slower).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         address="local",  # a new instance, even when `ray start` left one running on this machine
         num_cpus=num_cpus,
