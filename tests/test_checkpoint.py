@@ -97,14 +97,17 @@ def test_the_spike_detector_waits_for_history_then_calls_a_jump():
     spike.check(1.0, 5)
     with pytest.raises(LossSpikeError, match=r"loss spike at step 6: 26 is 5\.2x the mean 5 of the last 4 steps"):
         spike.check(26.0, 6)
-    SpikeDetector(factor=0.0, window=4, min_steps=1).check(1e9, 1)  # off
+    off = SpikeDetector(factor=0.0, window=4, min_steps=3)
+    for step, loss in enumerate([9.0, 8.0, 2.0, 1.0, 26.0, 1e9], 1):  # the same history, then a larger jump
+        off.check(loss, step)
 
 
 @pytest.mark.parametrize(
     "override,key,fragment",
     [
         ("fault.plan=[{step: 3, kind: explode}]", "fault.plan[0].kind", "must be one of raise, kill, nan, spike"),
-        ("fault.plan=[{rank: 1}]", "fault.plan[0]", "must be {step: N, rank: R, kind: K}"),
+        ("fault.plan=[{rank: 1}]", "fault.plan[0].step", "is required"),
+        ("fault.plan=[{step: 2, rnk: 1}]", "fault.plan[0].rnk", "did you mean 'rank'?"),
         ("fault.plan=[{step: 2, rank: -1}]", "fault.plan[0].rank", "must be a worker rank >= 0"),
         ("checkpoint.keep=1", "checkpoint.keep", "must be 0 (keep all) or >= 2"),
         ("spike.factor=0.5", "spike.factor", "must be 0 (off) or > 1"),

@@ -1,4 +1,4 @@
-"""The engine and config import no Ray (DESIGN.md: the engine is Ray-free and unit-testable)."""
+"""The engine and config import no Ray (docs/architecture.md: the engine is Ray-free and unit-testable)."""
 
 import subprocess
 import sys

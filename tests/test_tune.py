@@ -182,3 +182,25 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
     # The finished trial was not run again: each of its steps was logged once.
     steps = [json.loads(line)["step"] for line in (trials / "trial_00000" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))
+
+
+def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path):
+    from raytrain_loops.launch.tune import trial_base
+
+    base = load_config(resolve("default"), ["scaling.num_workers=4", "run.name=mine"])
+    sweep_dir = str(tmp_path / "sweeps #2" / "lr")  # YAML would cut an override string at " #"
+    sweep = load_sweep(
+        _sweep(
+            tmp_path, space={"accum.steps": {"choice": [1, 2]}}, scheduler={"name": "pbt", "perturbation_interval": 7}
+        ),
+        base,
+    )
+    trial = trial_base(base, sweep, sweep_dir)
+    assert trial.run.storage_path == str(Path(sweep_dir) / "trials")
+    assert (trial.scaling.num_workers, trial.scaling.cpus_per_worker) == (2, 0.5)  # the sweep's trial section
+    assert (trial.run.name, trial.run.progress) == ("", False)
+    assert trial.eval.every_steps == trial.run.report_every_steps == trial.checkpoint.every_steps == 7
+    assert (base.run.name, base.scaling.num_workers) == ("mine", 4)  # the recipe itself is untouched
+    with pytest.raises(ConfigError) as info:
+        load_sweep(_sweep(tmp_path, space={"accum.steps": {"choice": [1]}}, trial={"num_workers": 0}), base)
+    assert info.value.key == "trial.num_workers"

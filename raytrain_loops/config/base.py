@@ -96,30 +96,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
         return value
     if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, key)
-            except ConfigError as err:
-                errors.append(err.reason)
-        raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
+        return _union(value, tp, key)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            scalar = getattr(tp, "from_scalar", None)
-            if scalar is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-                try:
-                    return scalar(_convert(value, float, key))
-                except ConfigError:
-                    pass
-            raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
-        return from_dict(tp, value, prefix=key)
+        return _section(value, tp, key)
     if origin in (list, tuple):
         if isinstance(value, str):
             value = yaml.safe_load(value)
@@ -134,43 +113,82 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, f"must be a mapping; got {value!r}")
         _, item = get_args(tp) or (str, Any)
         return {str(k): _convert(v, item, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(key, f"must be true or false; got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(key, f"must be an integer; got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(key, f"must be an integer; got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(key, f"must be a number; got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(key, f"must be a number; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(key, f"must be a string; got {value!r}")
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, key)
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")  # a bug in a config class
+
+
+def _union(value: Any, tp: Any, key: str) -> Any:
+    """The first member of a union that accepts ``value``."""
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(value, arg, key)
+        except ConfigError:
+            continue
+    raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
+
+
+def _section(value: Any, tp: type, key: str) -> Any:
+    """A config section from a mapping (or, where the section allows it, a bare number)."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        scalar = getattr(tp, "from_scalar", None)
+        if scalar is not None and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return scalar(_convert(value, float, key))
+            except ConfigError:
+                pass
+        raise ConfigError(key, f"must be {_describe(tp)}; got {value!r}")
+    return from_dict(tp, value, prefix=key)
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ConfigError(key, f"must be true or false; got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ConfigError(key, f"must be an integer; got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(key, f"must be a number; got {value!r}")
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(key, f"must be a string; got {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,10 +161,20 @@ FAULT_KINDS = ("raise", "kill", "nan", "spike")
 
 
 @dataclass(kw_only=True, slots=True)
-class FaultSpec:  # TEMPORARY stand-in
-    step: int = opt(1, "")
-    rank: int = opt(0, "")
-    kind: str = opt("raise", "")
+class FaultSpec:
+    """One fault of ``fault.plan``."""
+
+    step: int = field(metadata={"help": "The step after which (raise, kill), or at which (nan, spike), it fires."})
+    rank: int = opt(0, "The worker it fires on.")
+    kind: str = opt("raise", "raise, kill, nan or spike.")
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ConfigError("step", f"must be a step >= 1; got {self.step}")
+        if self.rank < 0:
+            raise ConfigError("rank", f"must be a worker rank >= 0; got {self.rank}")
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError("kind", f"must be one of {', '.join(FAULT_KINDS)}; got {self.kind!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,7 +187,6 @@ class FaultConfig:
         "Each {step: N, rank: R, kind: K}: raise (an exception in worker R after step N), kill (SIGKILL of "
         "worker R after step N), nan or spike (worker R's loss at step N is NaN, or 1000x).",
     )
-
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from raytrain_loops.config.base import ConfigError, at_least, from_dict, opt, read_yaml, set_dotted
-from raytrain_loops.config.run import Config
+from raytrain_loops.config.run import Config, ScalingConfig
 
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint", "grid")
 
@@ -50,18 +50,6 @@ class SchedulerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrialConfig:
-    """What each trial (a multi-worker Ray Train run) gets."""
-
-    num_workers: int = opt(2, "Training workers per trial.")
-    cpus_per_worker: float = opt(1.0, "CPUs per training worker.")
-    use_gpu: bool = opt(False, "One GPU per training worker.")
-
-    def __post_init__(self) -> None:
-        at_least(self, 1, "num_workers")
-
-
-@dataclass(kw_only=True, slots=True)
 class SweepConfig:
     """A hyperparameter search: space, objective, search algorithm, scheduler, trial resources."""
 
@@ -72,7 +60,9 @@ class SweepConfig:
     max_concurrent_trials: int = opt(0, "Trials at once; 0: as many as the cluster's CPUs (or GPUs) hold.")
     search: SearchConfig = opt(SearchConfig(), "Search algorithm.")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), "Trial scheduler.")
-    trial: TrialConfig = opt(TrialConfig(), "Resources of each trial.")
+    trial: ScalingConfig = opt(
+        ScalingConfig(), "Each trial's workers and resources (the scaling section of its Ray Train run)."
+    )
     name: str = opt("", "Sweep name; empty: derived from the recipe and the sweep (deterministic).")
     storage_path: str = opt("./sweeps", "Where the sweep's results go.")
 

@@ -14,31 +14,19 @@ import math
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.errors import raise_if_stopped
-from raytrain_loops.launch.fit import ensure_ray, prepare
-from raytrain_loops.launch.worker import total_steps
+from raytrain_loops.launch.fit import ensure_ray, planned_steps, prepare
+from raytrain_loops.launch.sweep_results import SweepResult, write_outputs
 from raytrain_loops.tasks import Task
 
 DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer
-
-
-@dataclass
-class SweepResult:
-    """What a finished sweep left: its directory, the best trial's values and metric."""
-
-    sweep_dir: str
-    best_values: dict[str, Any]
-    best_metric: float
-    table: Any  # pandas.DataFrame of all trials
 
 
 def _space(sweep: SweepConfig) -> dict[str, Any]:
@@ -54,22 +42,20 @@ def _space(sweep: SweepConfig) -> dict[str, Any]:
     return {key: make[kind](args) for key, spec in sweep.space.items() for kind, args in spec.items()}
 
 
-def _sweep_overrides(sweep: SweepConfig) -> list[str]:
-    """Cadence a scheduler needs: the metric evaluated and reported at its decision points."""
+def trial_base(base: Config, sweep: SweepConfig, sweep_dir: str) -> Config:
+    """The recipe as every trial's Train run gets it, before the trial's own values are set: the
+    sweep's ``trial`` scaling, no progress lines, runs under ``<sweep_dir>/trials``, and the
+    metric evaluated and reported (and, for PBT, checkpointed) at the scheduler's decision points."""
     s = sweep.scheduler
     every = {"asha": s.grace_period, "pbt": s.perturbation_interval}.get(s.name)
-    t = sweep.trial
-    out = [
-        f"scaling.num_workers={t.num_workers}",
-        f"scaling.cpus_per_worker={t.cpus_per_worker}",
-        f"scaling.use_gpu={t.use_gpu}",
-    ]
-    out += ["run.progress=false", "run.name="]
+    run = replace(base.run, progress=False, name="", storage_path=storage.join(sweep_dir, "trials"))
+    changes: dict[str, Any] = {"scaling": sweep.trial, "run": run}
     if every:
-        out += [f"eval.every_steps={every}", f"run.report_every_steps={every}"]
+        changes["eval"] = replace(base.eval, every_steps=every)
+        changes["run"] = replace(run, report_every_steps=every)
     if s.name == "pbt":
-        out.append(f"checkpoint.every_steps={s.perturbation_interval}")
-    return out
+        changes["checkpoint"] = replace(base.checkpoint, every_steps=s.perturbation_interval)
+    return replace(base, **changes)
 
 
 class _Relay:
@@ -168,10 +154,76 @@ def _concurrency(sweep: SweepConfig) -> int:
 
 
 def sweep_name(base: Config, sweep: SweepConfig, task: Task) -> str:
+    """``sweep.name``, or the task's name and a hash of the recipe (its run section aside) and the
+    sweep: the same command maps to the same sweep directory, so a rerun resumes it."""
     if sweep.name:
         return sweep.name
-    blob = json.dumps({"base": base.to_dict(), "sweep": to_dict(sweep)}, sort_keys=True)
+    recipe = {k: v for k, v in base.to_dict().items() if k != "run"}
+    blob = json.dumps({"base": recipe, "sweep": to_dict(sweep)}, sort_keys=True)
     return f"{type(task).__name__.removesuffix('Task').lower() or 'task'}-sweep-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
+
+
+def _scheduler(sweep: SweepConfig, length: int):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    s = sweep.scheduler
+    if s.name == "asha":
+        return ASHAScheduler(
+            time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor, max_t=s.max_t or length
+        )
+    if s.name == "pbt":
+        mutations = {}
+        for key, spec in sweep.space.items():
+            ((kind, args),) = spec.items()
+            mutations[key] = list(args) if kind == "choice" else _space(SweepConfig(space={key: spec}))[key]
+        return PopulationBasedTraining(
+            time_attr="step",
+            perturbation_interval=s.perturbation_interval,
+            hyperparam_mutations=mutations,
+            quantile_fraction=s.quantile_fraction,
+            resample_probability=s.resample_probability,
+        )
+    return FIFOScheduler()
+
+
+def _search(sweep: SweepConfig, concurrency: int):
+    points = sweep.search.points or None
+    if sweep.search.algorithm == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(seed=sweep.search.seed, points_to_evaluate=points)
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    # Tune applies max_concurrent_trials to a searcher it builds, not to one given to it.
+    return BasicVariantGenerator(random_state=sweep.search.seed, max_concurrent=concurrency, points_to_evaluate=points)
+
+
+def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int):
+    from ray import tune as rt
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    concurrency = _concurrency(sweep)
+    search = _search(sweep, concurrency)
+    return rt.Tuner(
+        trainable,
+        param_space=_space(sweep),
+        tune_config=rt.TuneConfig(
+            metric=sweep.metric,
+            mode=sweep.mode,
+            num_samples=sweep.num_samples,
+            scheduler=_scheduler(sweep, length),
+            search_alg=search,
+            max_concurrent_trials=None if isinstance(search, BasicVariantGenerator) else concurrency,
+            # A stopped trial's actor must go, taking its Ray Train run (which it owns) with it;
+            # a reused actor would keep that run's workers and their resources.
+            reuse_actors=False,
+            trial_name_creator=_trial_name,
+            trial_dirname_creator=_trial_name,
+        ),
+        # PBT hands over a trial's latest checkpoint; keeping a few lets an exploit that was
+        # decided on a slightly older one still find it.
+        run_config=rt.RunConfig(name=name, storage_path=root, checkpoint_config=rt.CheckpointConfig(num_to_keep=4)),
+    )
 
 
 def tune(
@@ -181,20 +233,15 @@ def tune(
     overrides: list[str] | None = None,
 ) -> SweepResult:
     """Run the sweep over the recipe ``config``. The same sweep run again resumes where it stopped."""
-    base = (
-        config
-        if isinstance(config, Config) and not overrides
-        else load_config(config if not isinstance(config, Config) else config.to_dict(), overrides)
-    )
-    sweep = sweep if isinstance(sweep, SweepConfig) else load_sweep(sweep, base)
-    user_run = base.to_dict()["run"]
-    base = load_config(base.to_dict(), _sweep_overrides(sweep))
-    task, splits, rows = prepare(base, task)
-    name = sweep_name(base, sweep, task)
+    if not isinstance(config, Config):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = load_config(config.to_dict(), overrides)
+    sweep = sweep if isinstance(sweep, SweepConfig) else load_sweep(sweep, config)
     root = storage.join(sweep.storage_path)
-    sweep_dir = storage.join(root, name)
-    # Each trial's Train run (its checkpoints and logs) under the sweep: trials/<trial>.
-    base = load_config(base.to_dict(), [f"run.storage_path={storage.join(sweep_dir, 'trials')}"])
+    task, splits, rows = prepare(trial_base(config, sweep, root), task)  # the data, for the trials' workers
+    sweep_dir = storage.join(root, sweep_name(config, sweep, task))
+    base = trial_base(config, sweep, sweep_dir)
     print(f"sweep directory: {sweep_dir}", flush=True)
 
     # Trials share the cluster: a trial's workers may wait for those of a trial that just ended.
@@ -202,129 +249,13 @@ def tune(
     # A local Ray holds the trials asked to run at once (logical CPUs may exceed the cores).
     ensure_ray(base, num_cpus=sweep.max_concurrent_trials * _per_trial_cpus(sweep) + 1)
     from ray import tune as rt
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
-    from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    concurrency = _concurrency(sweep)
-    s = sweep.scheduler
-    length = total_steps(base, rows["train"] // base.scaling.num_workers // base.data.batch_size)
-    if s.name == "asha":
-        scheduler = ASHAScheduler(
-            time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor, max_t=s.max_t or length
-        )
-    elif s.name == "pbt":
-        mutations = {}
-        for key, spec in sweep.space.items():
-            ((kind, args),) = spec.items()
-            mutations[key] = list(args) if kind == "choice" else _space(SweepConfig(space={key: spec}))[key]
-        scheduler = PopulationBasedTraining(
-            time_attr="step",
-            perturbation_interval=s.perturbation_interval,
-            hyperparam_mutations=mutations,
-            quantile_fraction=s.quantile_fraction,
-            resample_probability=s.resample_probability,
-        )
-    else:
-        scheduler = FIFOScheduler()
-    if sweep.search.algorithm == "optuna":
-        from ray.tune.search.optuna import OptunaSearch
-
-        search = OptunaSearch(seed=sweep.search.seed, points_to_evaluate=sweep.search.points or None)
-    else:
-        # Tune applies max_concurrent_trials to a searcher it builds, not to one given to it.
-        search = BasicVariantGenerator(
-            random_state=sweep.search.seed, max_concurrent=concurrency, points_to_evaluate=sweep.search.points or None
-        )
-
-    payload = {
-        "base": base.to_dict(),
-        "task": task,
-        "splits": splits,
-        "rows": rows,
-        "hand_over": s.name == "pbt",
-    }
+    payload = {"base": base.to_dict(), "task": task, "splits": splits, "rows": rows}
+    payload["hand_over"] = sweep.scheduler.name == "pbt"
     trainable = rt.with_resources(rt.with_parameters(_trial, payload=payload), {"CPU": DRIVER_CPUS})
     if rt.Tuner.can_restore(sweep_dir):
         print(f"resuming the sweep in {sweep_dir}", flush=True)
         tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
-        tuner = rt.Tuner(
-            trainable,
-            param_space=_space(sweep),
-            tune_config=rt.TuneConfig(
-                metric=sweep.metric,
-                mode=sweep.mode,
-                num_samples=sweep.num_samples,
-                scheduler=scheduler,
-                search_alg=search,
-                max_concurrent_trials=None if isinstance(search, BasicVariantGenerator) else concurrency,
-                # A stopped trial's actor must go, taking its Ray Train run (which it owns) with it;
-                # a reused actor would keep that run's workers and their resources.
-                reuse_actors=False,
-                trial_name_creator=_trial_name,
-                trial_dirname_creator=_trial_name,
-            ),
-            # PBT hands over a trial's latest checkpoint; keeping a few lets an exploit that was
-            # decided on a slightly older one still find it.
-            run_config=rt.RunConfig(name=name, storage_path=root, checkpoint_config=rt.CheckpointConfig(num_to_keep=4)),
-        )
-    results = tuner.fit()
-    return _write_outputs(results, sweep, base, user_run, sweep_dir)
-
-
-def _write_outputs(results, sweep: SweepConfig, base: Config, user_run: dict, sweep_dir: str) -> SweepResult:
-    """results.csv, the printed table, best.yaml (a recipe) and metric_per_trial.png."""
-    import pandas as pd
-
-    keys = list(sweep.space)
-    rows = []
-    for r in results:
-        cfg = r.config or {}
-        history = r.metrics_dataframe
-        steps = int(history["step"].max()) if history is not None and "step" in history else 0
-        rows.append(
-            {
-                "trial": Path(r.path).name if r.path else "?",
-                **{k: cfg.get(k) for k in keys},
-                sweep.metric: (r.metrics or {}).get(sweep.metric),
-                "steps": steps,
-                "error": type(r.error).__name__ if r.error else "",
-            }
-        )
-    table = pd.DataFrame(rows)
-    os.makedirs(sweep_dir, exist_ok=True)
-    table.to_csv(os.path.join(sweep_dir, "results.csv"), index=False)
-    print(table.to_string(index=False), flush=True)
-    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
-    values = {k: best.config[k] for k in keys}
-    recipe = trial_config(base.to_dict(), values).to_dict()
-    recipe["run"] = user_run  # the trial's settings, the user's run name and storage
-    Path(sweep_dir, "best.yaml").write_text(
-        f"# The best trial of the sweep in {sweep_dir} ({sweep.metric} = {best.metrics.get(sweep.metric)}).\n"
-        f"#   raytrain-loops train {os.path.join(sweep_dir, 'best.yaml')}\n" + yaml.safe_dump(recipe, sort_keys=False)
-    )
-    _plot(results, sweep, sweep_dir)
-    print(
-        f"best: {values} -> {sweep.metric} {best.metrics.get(sweep.metric)}; recipe {os.path.join(sweep_dir, 'best.yaml')}",
-        flush=True,
-    )
-    return SweepResult(sweep_dir, values, best.metrics.get(sweep.metric), table)
-
-
-def _plot(results, sweep: SweepConfig, sweep_dir: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        df = r.metrics_dataframe
-        if df is not None and sweep.metric in df and "step" in df:
-            ax.plot(df["step"], df[sweep.metric], marker=".", label=Path(r.path).name if r.path else "?")
-    ax.set(xlabel="step", ylabel=sweep.metric, title=f"{sweep.metric} per trial")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(sweep_dir, "metric_per_trial.png"), dpi=100)
-    plt.close(fig)
+        tuner = _tuner(trainable, sweep, os.path.basename(sweep_dir), root, planned_steps(base, splits, rows))
+    return write_outputs(tuner.fit(), sweep, base, config.run, sweep_dir)

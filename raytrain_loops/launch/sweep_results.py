@@ -1,0 +1,82 @@
+"""What a finished sweep leaves: ``results.csv``, the printed table, ``best.yaml`` (a recipe that
+``raytrain-loops train`` accepts) and ``metric_per_trial.png``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_loops.config.run import Config, RunConfig
+from raytrain_loops.config.sweep import SweepConfig, trial_config
+
+
+@dataclass
+class SweepResult:
+    """What a finished sweep left: its directory, the best trial's values and metric."""
+
+    sweep_dir: str
+    best_values: dict[str, Any]
+    best_metric: float
+    table: Any  # pandas.DataFrame of all trials
+
+
+def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig, sweep_dir: str) -> SweepResult:
+    """results.csv, the printed table, best.yaml (a recipe) and metric_per_trial.png."""
+    import pandas as pd
+
+    keys = list(sweep.space)
+    rows = []
+    for r in results:
+        cfg = r.config or {}
+        history = r.metrics_dataframe
+        steps = int(history["step"].max()) if history is not None and "step" in history else 0
+        rows.append(
+            {
+                "trial": Path(r.path).name if r.path else "?",
+                **{k: cfg.get(k) for k in keys},
+                sweep.metric: (r.metrics or {}).get(sweep.metric),
+                "steps": steps,
+                "error": type(r.error).__name__ if r.error else "",
+            }
+        )
+    table = pd.DataFrame(rows)
+    os.makedirs(sweep_dir, exist_ok=True)
+    table.to_csv(os.path.join(sweep_dir, "results.csv"), index=False)
+    print(table.to_string(index=False), flush=True)
+    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
+    values = {k: best.config[k] for k in keys}
+    # The trial's settings, with the user's run section (name, storage) instead of the trial's.
+    recipe = replace(trial_config(base.to_dict(), values), run=user_run).to_dict()
+    Path(sweep_dir, "best.yaml").write_text(
+        f"# The best trial of the sweep in {sweep_dir} ({sweep.metric} = {best.metrics.get(sweep.metric)}).\n"
+        f"#   raytrain-loops train {os.path.join(sweep_dir, 'best.yaml')}\n" + yaml.safe_dump(recipe, sort_keys=False)
+    )
+    _plot(results, sweep, sweep_dir)
+    print(
+        f"best: {values} -> {sweep.metric} {best.metrics.get(sweep.metric)}; recipe {os.path.join(sweep_dir, 'best.yaml')}",
+        flush=True,
+    )
+    return SweepResult(sweep_dir, values, best.metrics.get(sweep.metric), table)
+
+
+def _plot(results, sweep: SweepConfig, sweep_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        df = r.metrics_dataframe
+        if df is not None and sweep.metric in df and "step" in df:
+            ax.plot(df["step"], df[sweep.metric], marker=".", label=Path(r.path).name if r.path else "?")
+    ax.set(xlabel="step", ylabel=sweep.metric, title=f"{sweep.metric} per trial")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(sweep_dir, "metric_per_trial.png"), dpi=100)
+    plt.close(fig)
