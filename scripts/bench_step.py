@@ -70,7 +70,7 @@ class EngineRunner:
                 "schedules.lr.value=1e-3",
             ],
         )
-        self.engine = Engine(mlp(), criterion, cfg, total_steps=10**6)
+        self.engine = Engine(mlp(), criterion, cfg.engine, total_steps=10**6)
 
     def step(self, micro):
         self.engine.train_step(micro)

@@ -62,3 +62,16 @@ def split(x: torch.Tensor, y: torch.Tensor, sizes: list[int]):
 
 def params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class RootOfZero(nn.Module):
+    """A finite output whose gradient is infinite: ``sqrt(p - 1)`` at ``p = 1`` (the slope of a
+    square root at 0), beside an ordinary linear layer whose gradients stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.p = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.lin(x) * 0.0 + torch.sqrt(self.p - 1.0)

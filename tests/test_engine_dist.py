@@ -28,7 +28,7 @@ def _one_update(rank: int, world: int, sizes_per_rank, reduction: str):
     if world > 1:
         model = DDP(model)
     loss = fakes.sum_loss if reduction == "sum" else fakes.mean_loss
-    engine = Engine(model, loss, fakes.config(f"loss.reduction={reduction}"), total_steps=1)
+    engine = Engine(model, loss, fakes.config(f"loss.reduction={reduction}").engine, total_steps=1)
     result = engine.train_step(mine)
     assert result.applied
     return fakes.params(engine.module)
@@ -37,7 +37,7 @@ def _one_update(rank: int, world: int, sizes_per_rank, reduction: str):
 def _full_batch(reduction: str):
     x, y = fakes.regression_data()
     loss = fakes.sum_loss if reduction == "sum" else fakes.mean_loss
-    engine = Engine(fakes.make_model(), loss, fakes.config(f"loss.reduction={reduction}"), total_steps=1)
+    engine = Engine(fakes.make_model(), loss, fakes.config(f"loss.reduction={reduction}").engine, total_steps=1)
     engine.train_step([(x, y)])
     return fakes.params(engine.module)
 
@@ -78,7 +78,7 @@ def _count_allreduces(rank: int, world: int, k: int, steps: int):
         return fut.then(lambda f: f.value()[0] / world)
 
     model.register_comm_hook(None, counting_hook)
-    engine = Engine(model, fakes.mean_loss, fakes.config(), total_steps=steps)
+    engine = Engine(model, fakes.mean_loss, fakes.config().engine, total_steps=steps)
     batches = fakes.split(x, y, [8] * (k * steps))
     for s in range(steps):
         engine.train_step(batches[s * k : (s + 1) * k])
@@ -93,7 +93,7 @@ def test_ddp_allreduce_runs_once_per_step_not_per_micro_batch():
 
 def _nan_on_rank1(rank: int, world: int, policy: str):
     model = DDP(fakes.make_model())
-    engine = Engine(model, fakes.mean_loss, fakes.config(f"nonfinite.policy={policy}"), total_steps=4)
+    engine = Engine(model, fakes.mean_loss, fakes.config(f"nonfinite.policy={policy}").engine, total_steps=4)
     x, y = fakes.regression_data(n=32, seed=rank)
     snapshots = []
     for s in range(4):
@@ -131,7 +131,7 @@ def test_nonfinite_on_one_rank_stop_raises_naming_the_module_on_both():
 
 def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], k: int):
     model = DDP(fakes.make_model())
-    engine = Engine(model, fakes.mean_loss, fakes.config("oom.max_consecutive=2"), total_steps=6)
+    engine = Engine(model, fakes.mean_loss, fakes.config("oom.max_consecutive=2").engine, total_steps=6)
     x, y = fakes.regression_data(n=48, seed=rank)
     fired = set()
 
@@ -171,7 +171,7 @@ def test_repeated_oom_is_a_clear_error_on_both_ranks():
 
 
 def _rank_dependent_metric(rank: int, world: int):
-    engine = Engine(DDP(fakes.make_model()), fakes.mean_loss, fakes.config(), total_steps=2)
+    engine = Engine(DDP(fakes.make_model()), fakes.mean_loss, fakes.config().engine, total_steps=2)
     x, y = fakes.regression_data(n=16, seed=rank)
 
     def loss(m, batch, ctx):
@@ -192,3 +192,18 @@ def test_metrics_are_aggregated_over_all_workers_not_rank0():
     for o in outcomes:
         assert o.value["rank"] == 0.75  # (0 * 1 + 1 * 3) / 4 on both ranks
         assert o.value["step"] == 2
+
+
+def _infinite_gradient(rank: int, world: int):
+    engine = Engine(
+        DDP(fakes.RootOfZero()), fakes.mean_loss, fakes.config("nonfinite.policy=stop").engine, total_steps=2
+    )
+    x, y = fakes.regression_data(n=8, seed=rank)
+    engine.train_step([(x, y)])
+
+
+def test_an_infinite_gradient_is_traced_to_its_parameter_on_every_worker():
+    outcomes = run_gloo(2, _infinite_gradient, timeout=60)
+    assert [o.error for o in outcomes] == ["NonFiniteError", "NonFiniteError"]
+    for o in outcomes:
+        assert "first seen in the gradient of parameter 'p'" in o.message

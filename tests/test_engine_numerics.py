@@ -29,7 +29,7 @@ def test_fp16_overflow_skips_update_and_leaves_parameters_and_ema_unchanged():
     cfg = fakes.config(
         "precision.dtype=fp16", "precision.init_scale=1024", "ema.enabled=true", "schedules.ema_momentum.value=0.5"
     )
-    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg, total_steps=10)
+    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=10)
     b = _batches(3)
     assert engine.train_step([b[0]]).applied
     params, ema = fakes.params(engine.module), fakes.params(engine.ema.module)
@@ -55,7 +55,10 @@ def test_fp16_overflow_skips_update_and_leaves_parameters_and_ema_unchanged():
 def test_fp16_scale_below_floor_stops_with_clear_error():
     cfg = fakes.config("precision.dtype=fp16", "precision.init_scale=1024", "precision.min_scale=100")
     engine = Engine(
-        fakes.make_model(), lambda m, b, c: LossOutput(fakes.mean_loss(m, b, c).loss * math.inf), cfg, total_steps=10
+        fakes.make_model(),
+        lambda m, b, c: LossOutput(fakes.mean_loss(m, b, c).loss * math.inf),
+        cfg.engine,
+        total_steps=10,
     )
     b = _batches(1)[0]
     for _ in range(3):  # 1024 -> 512 -> 256 -> 128: still above the floor
@@ -73,7 +76,10 @@ def test_global_clipping_matches_clip_grad_norm():
     assert total > 0.05, "the test must actually clip"
     expected = {n: p.detach() - p.grad for n, p in ref.named_parameters()}
     engine = Engine(
-        fakes.make_model(), fakes.mean_loss, fakes.config("clip.mode=global", "clip.max_norm=0.05"), total_steps=1
+        fakes.make_model(),
+        fakes.mean_loss,
+        fakes.config("clip.mode=global", "clip.max_norm=0.05").engine,
+        total_steps=1,
     )
     result = engine.train_step([b])
     assert result.grad_norm == pytest.approx(total.item(), rel=1e-5)
@@ -98,7 +104,7 @@ def test_per_parameter_clipping_behaves_as_in_dino():
     engine = Engine(
         fakes.make_model(),
         fakes.mean_loss,
-        fakes.config("clip.mode=per_param", f"clip.max_norm={max_norm}"),
+        fakes.config("clip.mode=per_param", f"clip.max_norm={max_norm}").engine,
         total_steps=1,
     )
     engine.train_step([b])
@@ -116,7 +122,7 @@ def test_last_layer_is_frozen_during_its_epochs_only():
             "schedules.weight_decay.value=0.1",
         ],
     )
-    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg, total_steps=6)
+    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=6)
     b = _batches(6)
     head = fakes.params(engine.module.head)
     enc = fakes.params(engine.module.encoder)
@@ -135,7 +141,7 @@ def test_frozen_pattern_matching_nothing_is_rejected():
         Engine(
             fakes.make_model(),
             fakes.mean_loss,
-            load_config(None, ["freeze.last_layer_epochs=1", "freeze.last_layer_pattern=nope"]),
+            load_config(None, ["freeze.last_layer_epochs=1", "freeze.last_layer_pattern=nope"]).engine,
             total_steps=1,
         )
 
@@ -149,7 +155,7 @@ def test_weight_decay_schedule_applies_to_first_group_only():
         "schedules.weight_decay.end=0.4",
     )
     zero_grad_loss = lambda m, b, c: LossOutput(m(b[0]).sum() * 0.0)  # noqa: E731 - only weight decay acts
-    engine = Engine(fakes.make_model(), zero_grad_loss, cfg, total_steps=5)
+    engine = Engine(fakes.make_model(), zero_grad_loss, cfg.engine, total_steps=5)
     groups = engine.optimizer.param_groups
     assert groups[0]["param_names"] == ["encoder.weight", "head.weight"]
     assert set(groups[1]["param_names"]) == {"encoder.bias", "norm.weight", "norm.bias", "head.bias"}
@@ -173,7 +179,7 @@ def test_ema_follows_its_momentum_schedule():
         "schedules.ema_momentum.value=0.9",
         "schedules.ema_momentum.end=1.0",
     )
-    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg, total_steps=3)
+    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=3)
     b = _batches(3)
     for step in range(3):
         ema_before = fakes.params(engine.ema.module)
@@ -187,7 +193,7 @@ def test_ema_follows_its_momentum_schedule():
 
 @pytest.mark.parametrize("where,name", [("input", "encoder"), ("head", "head")])
 def test_nonfinite_stop_names_the_first_module(where, name):
-    engine = Engine(fakes.make_model(), fakes.mean_loss, fakes.config(), total_steps=2)
+    engine = Engine(fakes.make_model(), fakes.mean_loss, fakes.config().engine, total_steps=2)
     x, y = _batches(1)[0]
     if where == "input":
         x = x.clone()
@@ -203,7 +209,7 @@ def test_nonfinite_skip_stops_after_max_consecutive():
     engine = Engine(
         fakes.make_model(),
         lambda m, b, c: LossOutput(m(b[0]).sum() * math.nan),
-        fakes.config("nonfinite.policy=skip", "nonfinite.max_consecutive=3"),
+        fakes.config("nonfinite.policy=skip", "nonfinite.max_consecutive=3").engine,
         total_steps=5,
     )
     b = _batches(1)[0]
@@ -217,7 +223,10 @@ def test_bf16_autocast_runs_forward_in_bf16_and_learns():
     model = fakes.make_model()
     model.encoder.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     engine = Engine(
-        model, fakes.mean_loss, load_config(None, ["precision.dtype=bf16", "schedules.lr.value=0.01"]), total_steps=60
+        model,
+        fakes.mean_loss,
+        load_config(None, ["precision.dtype=bf16", "schedules.lr.value=0.01"]).engine,
+        total_steps=60,
     )
     x, y = fakes.regression_data(n=64)
     losses = [engine.train_step([(x, y)]).loss for _ in range(60)]
@@ -227,7 +236,10 @@ def test_bf16_autocast_runs_forward_in_bf16_and_learns():
 
 def test_metrics_are_weighted_means_over_the_interval():
     engine = Engine(
-        fakes.make_model(), fakes.sum_loss, fakes.config("loss.reduction=sum", "schedules.lr.value=0.0"), total_steps=2
+        fakes.make_model(),
+        fakes.sum_loss,
+        fakes.config("loss.reduction=sum", "schedules.lr.value=0.0").engine,
+        total_steps=2,
     )
     x, y = fakes.regression_data(n=12)
     r1 = engine.train_step(fakes.split(x, y, [2, 4]))
@@ -288,7 +300,7 @@ def test_criterion_sees_named_schedule_values():
         return fakes.mean_loss(m, b, ctx)
 
     cfg = load_config({"schedules": {"teacher_temp": {"value": 0.07, "warmup_steps": 2, "warmup_start": 0.04}}})
-    engine = Engine(fakes.make_model(), loss, cfg, total_steps=3)
+    engine = Engine(fakes.make_model(), loss, cfg.engine, total_steps=3)
     for b in _batches(3):
         engine.train_step([b])
     assert seen == pytest.approx([0.04, 0.055, 0.07])
@@ -304,7 +316,7 @@ def test_sum_mode_divides_by_sample_size_not_batch_count():
     ref = fakes.make_model()
     ref.zero_grad()
     (F.mse_loss(ref(x), y, reduction="sum") / 24).backward()
-    engine = Engine(fakes.make_model(), token_loss, fakes.config("loss.reduction=sum"), total_steps=1)
+    engine = Engine(fakes.make_model(), token_loss, fakes.config("loss.reduction=sum").engine, total_steps=1)
     engine.train_step(fakes.split(x, y, [5, 3]))
     for n, p in engine.module.named_parameters():
         torch.testing.assert_close(
@@ -313,3 +325,47 @@ def test_sum_mode_divides_by_sample_size_not_batch_count():
             atol=1e-6,
             rtol=0,
         )
+
+
+def test_an_infinite_gradient_under_a_finite_loss_is_traced_to_its_parameter():
+    torch.manual_seed(0)
+    engine = Engine(fakes.RootOfZero(), fakes.mean_loss, fakes.config("nonfinite.policy=stop").engine, total_steps=2)
+    (batch,) = _batches(1)
+    assert math.isfinite(float(fakes.mean_loss(engine.module, batch, None).loss))
+    with pytest.raises(NonFiniteError, match=r"first seen in the gradient of parameter 'p'$"):
+        engine.train_step([batch])
+    assert engine.step == 0 and all(p.grad is None for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_step_without_data_is_skipped_as_empty_not_as_non_finite(reduction):
+    cfg = fakes.config(f"loss.reduction={reduction}", "nonfinite.policy=stop")
+    engine = Engine(
+        fakes.make_model(), fakes.sum_loss if reduction == "sum" else fakes.mean_loss, cfg.engine, total_steps=3
+    )
+    before = fakes.params(engine.module)
+    assert engine.train_step([None, None]).skipped == "empty"  # no worker had a batch: no error under stop
+    assert engine.counts["nonfinite"] == 0 and engine.step == 0
+    assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in before.items())
+    assert engine.train_step(_batches(1)).applied and engine.step == 1
+
+
+def test_a_batch_of_zero_units_in_sum_mode_is_an_empty_step():
+    def no_units(model, batch, ctx):
+        return LossOutput(fakes.sum_loss(model, batch, ctx).loss * 0.0, sample_size=0)
+
+    engine = Engine(fakes.make_model(), no_units, fakes.config("loss.reduction=sum").engine, total_steps=2)
+    assert engine.train_step(_batches(1)).skipped == "empty" and engine.counts["nonfinite"] == 0
+
+
+def test_fp16_an_empty_step_keeps_the_loss_scale_and_the_next_step_runs():
+    cfg = fakes.config("loss.reduction=sum", "precision.dtype=fp16", "precision.init_scale=256")
+    engine = Engine(fakes.make_model(), fakes.sum_loss, cfg.engine, total_steps=4)
+    batches = _batches(2)
+    for i, batch in enumerate([None, batches[0], None, batches[1]]):  # the first step may be empty too
+        scaler = engine.scaler.state_dict()
+        result = engine.train_step([batch])
+        assert result.skipped == (None if batch else "empty"), i
+        if batch is None:
+            assert engine.scaler.state_dict() == scaler  # neither an overflow nor a step without one
+    assert engine.step == 2 and engine.counts["overflow"] == 0

@@ -96,7 +96,7 @@ def _engine_updates(rank: int, world: int, per_rank_steps) -> dict:
     model = LMTask(**TINY).build_model()
     if world > 1:
         model = DDP(model)
-    engine = Engine(model, LMTask(**TINY).criterion, fakes.config("loss.reduction=sum"), total_steps=2)
+    engine = Engine(model, LMTask(**TINY).criterion, fakes.config("loss.reduction=sum").engine, total_steps=2)
     batches = _batches()
     sizes = []
     for step in per_rank_steps[rank]:
@@ -153,7 +153,7 @@ def _desynchronised(rank: int, world: int) -> dict:
 
         model.register_comm_hook(None, local_only)
         config = fakes.config("loss.reduction=sum", f"grad_sync.check={check}")
-        engine = Engine(model, fakes.sum_loss, config, total_steps=1)
+        engine = Engine(model, fakes.sum_loss, config.engine, total_steps=1)
         try:
             engine.train_step([(x, y)])
             out[check] = fakes.params(engine.module)

@@ -49,7 +49,7 @@ def test_cvnets_batchnorm_momentum_follows_its_schedule_in_the_running_statistic
     task = build_task(cfg.task.name, cfg.task.params)
     torch.manual_seed(0)
     model = task.build_model()
-    engine = Engine(model, task.criterion, cfg, total_steps=total)
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=total)
     bn = model.features[0][1]
     batch_means = []
     bn.register_forward_hook(lambda _m, inputs, _out: batch_means.append(inputs[0].detach().mean((0, 2, 3))))
@@ -136,7 +136,7 @@ def test_dino_teacher_follows_its_momentum_schedule_sees_global_views_only_and_l
     task = build_task(cfg.task.name, cfg.task.params)
     torch.manual_seed(0)
     model = task.build_model()
-    engine = Engine(model, task.criterion, cfg, total_steps=total)
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=total)
     teacher = engine.ema.module
     shapes: dict[str, list] = {"student": [], "teacher": []}
     model.backbone.register_forward_pre_hook(lambda _m, a: shapes["student"].append(tuple(a[0].shape)))

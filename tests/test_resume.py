@@ -25,7 +25,7 @@ OVERRIDES = [
 
 def _engine(precision: str, seed: int) -> Engine:
     cfg = load_config(None, OVERRIDES + [f"precision.dtype={precision}", "precision.init_scale=256"])
-    return Engine(fakes.make_model(seed=seed, dropout=0.3), fakes.mean_loss, cfg, total_steps=N)
+    return Engine(fakes.make_model(seed=seed, dropout=0.3), fakes.mean_loss, cfg.engine, total_steps=N)
 
 
 def _run(engine: Engine, steps: range):

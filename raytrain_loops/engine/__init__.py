@@ -3,9 +3,21 @@
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import GradSyncError, LossScaleError, NonFiniteError, OOMError, TrainingError
 from raytrain_loops.engine.schedules import schedule_value, schedule_values
-from raytrain_loops.engine.step import Engine, LossFn, LossOutput, StepContext, StepResult, to_device, unwrap
+from raytrain_loops.engine.step import (
+    Decision,
+    Engine,
+    LossFn,
+    LossOutput,
+    Reduced,
+    StepContext,
+    StepResult,
+    decide,
+    to_device,
+    unwrap,
+)
 
 __all__ = [
+    "Decision",
     "EMA",
     "Engine",
     "GradSyncError",
@@ -14,9 +26,11 @@ __all__ = [
     "LossScaleError",
     "NonFiniteError",
     "OOMError",
+    "Reduced",
     "StepContext",
     "StepResult",
     "TrainingError",
+    "decide",
     "schedule_value",
     "schedule_values",
     "to_device",

@@ -1,6 +1,6 @@
 """One optimizer update over K micro-batches, with the numerics of the seed loops.
 
-Per step, on every worker (see DESIGN.md, "The step"):
+Per step, on every worker (docs/architecture.md places it among the layers):
 
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others);
@@ -8,8 +8,9 @@ Per step, on every worker (see DESIGN.md, "The step"):
    followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm, and
    one host read of it: this is the only synchronisation the step adds, and every decision below
    is taken from the reduced values, so every worker takes the same one;
-3. skip (OOM anywhere, fp16 overflow, non-finite with policy ``skip``) or raise, on all workers;
-   raise when the workers' gradient norms differ (DDP left them unsynchronised);
+3. :func:`decide`, a pure function of the reduced values: apply, or skip (OOM anywhere, no data
+   anywhere, fp16 overflow, non-finite) and possibly raise, the same on all workers; raise when
+   the workers' gradient norms differ (DDP left them unsynchronised);
 4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
    averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
    optimizer, update the loss scale, count the step and update the EMA.
@@ -18,6 +19,7 @@ Per step, on every worker (see DESIGN.md, "The step"):
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 import math
 import re
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raytrain_loops.config.run import Config
+from raytrain_loops.config.engine import EngineConfig
 from raytrain_loops.engine import dist
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
@@ -49,7 +51,18 @@ from raytrain_loops.engine.precision import autocast, grad_scaler
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.schedules import schedule_values
 
-__all__ = ["Engine", "LossOutput", "StepContext", "StepResult", "LossFn", "unwrap", "to_device"]
+__all__ = [
+    "Decision",
+    "Engine",
+    "LossFn",
+    "LossOutput",
+    "Reduced",
+    "StepContext",
+    "StepResult",
+    "decide",
+    "to_device",
+    "unwrap",
+]
 
 
 @dataclass
@@ -76,23 +89,98 @@ class StepContext:
     values: dict[str, float]
     ema: nn.Module | None
     micro_index: int = 0
-    num_micro: int = 1
 
 
 LossFn = Callable[[nn.Module, Any, StepContext], LossOutput]
+
+
+class Decision(enum.Enum):
+    """What a step does with its gradients; the value is the name logged for a skip."""
+
+    APPLY = "applied"
+    SKIP_OOM = "oom"  # out of memory on some worker
+    SKIP_EMPTY = "empty"  # no worker had data
+    SKIP_OVERFLOW = "overflow"  # fp16: non-finite at this loss scale
+    SKIP_NONFINITE = "nonfinite"
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """The step's one all-reduce, read back on the host: identical on every worker.
+
+    ``loss`` is the mean loss (per micro-batch in ``mean`` mode, per unit in ``sum`` mode; NaN
+    when no worker had data), ``grad_norm`` the norm of the update's gradient, ``grad_factor``
+    what the averaged gradients are multiplied by (``sum`` mode: ``world / sample_size``),
+    ``weight`` what the loss is averaged over, ``norms`` each worker's own gradient norm (empty
+    unless ``grad_sync.check``)."""
+
+    sample_size: float
+    terms: float
+    ooms: float
+    loss: float
+    grad_norm: float
+    grad_factor: float
+    weight: float
+    norms: tuple[float, ...] = ()
+
+    @classmethod
+    def from_sums(cls, sums: list[float], *, mean: bool, world: int) -> Reduced:
+        """From ``[sample_size, loss_sum, terms, ooms, grad_norm^2, per-worker norm^2...]`` summed
+        over workers (DDP having averaged the gradients)."""
+        sample_size, loss_sum, terms, ooms, norm_sq = sums[:5]
+        # sum mode wants the gradients summed over workers and divided by the total sample size.
+        factor = 1.0 if mean else (world / sample_size if sample_size > 0 else 0.0)
+        grad_norm = math.sqrt(norm_sq / world) * factor if math.isfinite(norm_sq) else math.inf
+        weight = terms if mean else sample_size
+        loss = loss_sum / weight if weight > 0 else math.nan
+        norms = tuple(math.sqrt(v) for v in sums[5:])
+        return cls(sample_size, terms, ooms, loss, grad_norm, factor, weight, norms)
+
+
+def decide(reduced: Reduced, *, fp16: bool) -> Decision:
+    """The step's decision, from values every worker holds alike: an OOM anywhere first, then no
+    data anywhere (whose loss is NaN for want of data, not for a numerical fault), then a
+    non-finite loss or gradient (an overflow under fp16 loss scaling)."""
+    if reduced.ooms > 0:
+        return Decision.SKIP_OOM
+    if reduced.weight <= 0:
+        return Decision.SKIP_EMPTY
+    if not (math.isfinite(reduced.loss) and math.isfinite(reduced.grad_norm)):
+        return Decision.SKIP_OVERFLOW if fp16 else Decision.SKIP_NONFINITE
+    return Decision.APPLY
 
 
 @dataclass
 class StepResult:
     """The outcome of one call to :meth:`Engine.train_step`, identical on every worker."""
 
-    applied: bool
-    skipped: str | None
+    decision: Decision
     loss: float
     sample_size: float
     grad_norm: float
     lr: float
     compute_time: float
+
+    @property
+    def applied(self) -> bool:
+        return self.decision is Decision.APPLY
+
+    @property
+    def skipped(self) -> str | None:
+        """Why the update was skipped (``oom``, ``empty``, ``overflow``, ``nonfinite``), or None."""
+        return None if self.applied else self.decision.value
+
+
+@dataclass
+class _Local:
+    """This worker's sums over its micro-batches, before the reduction."""
+
+    sample_size: torch.Tensor | float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
+    terms: float = 0.0
+    ooms: int = 0
+    losses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (micro-batch index, loss)
+    logs: list[tuple[dict[str, Any], Any]] = field(default_factory=list)  # (criterion logs, weight)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -126,11 +214,13 @@ class Engine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        config: Config,
+        config: EngineConfig,
         *,
         total_steps: int,
         task_param_groups: list[dict[str, Any]] | None = None,
     ):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"Engine takes an EngineConfig (a run config's .engine), not {type(config).__name__}")
         self.model = model
         self.module = unwrap(model)
         self.loss_fn = loss_fn
@@ -148,6 +238,8 @@ class Engine:
         groups = param_groups(self.module, config.optim, task_param_groups)
         self.optimizer = build_optimizer(groups, config.optim)
         self.scaler = grad_scaler(config.precision, self.device)
+        if self.scaler.is_enabled():
+            self.scaler.scale(torch.ones((), device=self.device))  # creates the scale: a first step may have no data
         self.ema = EMA(self.module, config.ema.copy_buffers) if config.ema.enabled else None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         pattern = re.compile(config.freeze.last_layer_pattern)
@@ -174,21 +266,31 @@ class Engine:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
         has run out of data: it still joins the collectives, contributing nothing)."""
         start = time.perf_counter()
-        cfg = self.config
         values = self.values()
         apply_values(self.optimizer, values["lr"], values["weight_decay"])
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        ctx = StepContext(self.step, self.epoch, values, self.ema.module if self.ema else None)
+        local = self._forward_backward(micro_batches, ctx)
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        reduced = self._reduce(local, grads)
+        decision = decide(reduced, fp16=self.scaler.is_enabled())
+        if decision is Decision.APPLY:
+            self._apply(reduced, grads, values["ema_momentum"])
+            compute = time.perf_counter() - start
+            self._log_step(local.logs, reduced, values["lr"], compute, data_time)
+        else:
+            self._skip(decision, micro_batches, local.losses, ctx)
+            compute = time.perf_counter() - start
+        return StepResult(decision, reduced.loss, reduced.sample_size, reduced.grad_norm, values["lr"], compute)
 
+    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> _Local:
+        """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
         k = len(micro_batches)
-        mean = cfg.loss.reduction == "mean"
-        ctx = StepContext(self.step, self.epoch, values, self.ema.module if self.ema else None, 0, k)
-        sample_size: torch.Tensor | float = 0.0
-        loss_sum: torch.Tensor | float = 0.0
-        terms = 0.0
-        ooms = 0
-        losses: list[tuple[int, torch.Tensor]] = []
-        pending_logs: list[tuple[dict[str, Any], Any]] = []
+        mean = self.config.loss.reduction == "mean"
+        local = _Local()
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
             last = i == k - 1
@@ -198,35 +300,35 @@ class Engine:
             batch = to_device(batch, self.device)
             try:
                 with self._sync(last):
-                    with autocast(cfg.precision, self.device):
+                    with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
                     self.scaler.scale(out.loss / k if mean else out.loss).backward()
             except Exception as err:
                 if not is_oom(err):
                     raise
-                if cfg.oom.policy == "raise":
+                if self.config.oom.policy == "raise":
                     raise OOMError(f"out of memory in forward/backward at step {self.step} (oom.policy=raise)") from err
-                ooms += 1
+                local.ooms += 1
                 self._recover_from_oom(ctx, last, err)
                 continue
             if self._dummy is None:
                 self._dummy = batch
             loss = out.loss.detach().float()
-            losses.append((i, loss))
-            loss_sum = loss_sum + loss
-            sample_size = sample_size + out.sample_size
-            terms += 1.0
-            pending_logs.append((out.logs, out.sample_size))
+            local.losses.append((i, loss))
+            local.loss_sum = local.loss_sum + loss
+            local.sample_size = local.sample_size + out.sample_size
+            local.terms += 1.0
+            local.logs.append((out.logs, out.sample_size))
         self.counts["micro_batches"] += k
+        return local
 
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
+    def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> Reduced:
+        """The step's one all-reduce and its one host read."""
         norm_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else 0.0
         packed = torch.stack(
             [
                 torch.as_tensor(v, dtype=torch.float64).to(self._cdev)
-                for v in (sample_size, loss_sum, terms, ooms, norm_sq)
+                for v in (local.sample_size, local.loss_sum, local.terms, local.ooms, norm_sq)
             ]
         )
         if self._check_sync:
@@ -236,36 +338,14 @@ class Engine:
             slots[dist.rank()] = packed[4]
             packed = torch.cat([packed, slots])
         dist.all_reduce_sum(packed)
-        reduced = packed.tolist()
-        total_size, total_loss, total_terms, total_ooms, total_norm_sq = reduced[:5]
+        return Reduced.from_sums(packed.tolist(), mean=self.config.loss.reduction == "mean", world=self.world_size)
 
-        # DDP averaged the gradients over workers; sum mode wants them summed and divided by
-        # the total sample size instead.
-        grad_factor = 1.0 if mean else (self.world_size / total_size if total_size > 0 else 0.0)
-        grad_norm = (
-            math.sqrt(total_norm_sq / self.world_size) * grad_factor if math.isfinite(total_norm_sq) else math.inf
-        )
-        denom = total_terms if mean else total_size
-        loss_value = total_loss / denom if denom > 0 else math.nan
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-
-        skipped = None
-        if total_ooms > 0:
-            skipped = "oom"
-        elif not finite:
-            skipped = "overflow" if self.scaler.is_enabled() else "nonfinite"
-        elif total_size <= 0 and not mean:
-            skipped = "empty"
-        if skipped is not None:
-            self._skip(skipped, micro_batches, losses, ctx)
-            return StepResult(
-                False, skipped, loss_value, total_size, grad_norm, values["lr"], time.perf_counter() - start
-            )
-
+    def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
+        """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
         if self._check_sync:
-            self._check_grad_sync([math.sqrt(v) for v in reduced[5:]])
-        self._clip_and_normalise(grads, grad_factor, grad_norm)
-        if self.epoch < cfg.freeze.last_layer_epochs:
+            self._check_grad_sync(list(reduced.norms))
+        self._clip_and_normalise(grads, reduced.grad_factor, reduced.grad_norm)
+        if self.epoch < self.config.freeze.last_layer_epochs:
             for p in self._frozen:
                 p.grad = None
         self.optimizer.step()
@@ -273,12 +353,8 @@ class Engine:
             self.scaler.update()
         self.step += 1
         self._in_a_row = {"nonfinite": 0, "oom": 0}
-        if self.ema is not None and self.step % cfg.ema.every == 0:
-            self.ema.update(values["ema_momentum"])
-
-        compute = time.perf_counter() - start
-        self._log_step(pending_logs, loss_value, denom, grad_norm, values, compute, data_time, total_size)
-        return StepResult(True, None, loss_value, total_size, grad_norm, values["lr"], compute)
+        if self.ema is not None and self.step % self.config.ema.every == 0:
+            self.ema.update(ema_momentum)
 
     # ------------------------------------------------------------------ pieces of the step
 
@@ -342,39 +418,60 @@ class Engine:
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
 
-    def _skip(self, reason: str, micro_batches: Sequence[Any], losses, ctx: StepContext) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        if reason == "empty":
+    def _skip(self, decision: Decision, micro_batches: Sequence[Any], losses, ctx: StepContext) -> None:
+        """Drop the update on every worker, count it, and raise when a limit or policy says stop.
+        Every skip closes the loss scaler's step (``unscale_`` ran), so the next step can run."""
+        if decision is Decision.SKIP_EMPTY:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler.is_enabled():
+                self.scaler.update(self.scaler.get_scale())  # no data is no overflow: the scale stays
             return
-        if reason == "overflow":
-            self.counts["overflow"] += 1
-            self.scaler.update()
-            scale = self.scaler.get_scale()
-            if scale < self.config.precision.min_scale:
-                raise LossScaleError(
-                    f"fp16 loss scale fell to {scale:g}, below precision.min_scale={self.config.precision.min_scale:g}: "
-                    "the loss or gradients are non-finite even at a tiny scale; try precision.dtype=bf16 or a lower lr"
-                )
+        if decision is Decision.SKIP_OVERFLOW:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._overflow()
             return
-        if self.scaler.is_enabled():
-            self.scaler.update()
+        reason = decision.value
         self.counts[reason] += 1
         self._in_a_row[reason] += 1
-        if reason == "oom":
-            if self._in_a_row["oom"] >= self.config.oom.max_consecutive:
-                raise OOMError(
-                    f"out of memory on {self._in_a_row['oom']} updates in a row (oom.max_consecutive="
-                    f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
-                )
-            return
-        if self.config.nonfinite.policy == "stop":
-            raise NonFiniteError(self._describe_nonfinite(micro_batches, losses, ctx))
-        if self._in_a_row["nonfinite"] >= self.config.nonfinite.max_consecutive:
-            raise NonFiniteError(
-                f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
-                f"(nonfinite.max_consecutive={self.config.nonfinite.max_consecutive}); "
-                + self._describe_nonfinite(micro_batches, losses, ctx)
+        # The error is worked out while the gradients are still there: the detector may name one.
+        error = (
+            self._oom_error() if decision is Decision.SKIP_OOM else self._nonfinite_error(micro_batches, losses, ctx)
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        if error is not None:
+            raise error
+
+    def _overflow(self) -> None:
+        self.counts["overflow"] += 1
+        self.scaler.update()
+        scale = self.scaler.get_scale()
+        if scale < self.config.precision.min_scale:
+            raise LossScaleError(
+                f"fp16 loss scale fell to {scale:g}, below precision.min_scale={self.config.precision.min_scale:g}: "
+                "the loss or gradients are non-finite even at a tiny scale; try precision.dtype=bf16 or a lower lr"
             )
+
+    def _oom_error(self) -> OOMError | None:
+        if self._in_a_row["oom"] < self.config.oom.max_consecutive:
+            return None
+        return OOMError(
+            f"out of memory on {self._in_a_row['oom']} updates in a row (oom.max_consecutive="
+            f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
+        )
+
+    def _nonfinite_error(self, micro_batches: Sequence[Any], losses, ctx: StepContext) -> NonFiniteError | None:
+        cfg = self.config.nonfinite
+        if cfg.policy == "stop":
+            return NonFiniteError(self._describe_nonfinite(micro_batches, losses, ctx))
+        if self._in_a_row["nonfinite"] < cfg.max_consecutive:
+            return None
+        return NonFiniteError(
+            f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
+            f"(nonfinite.max_consecutive={cfg.max_consecutive}); "
+            + self._describe_nonfinite(micro_batches, losses, ctx)
+        )
 
     def _describe_nonfinite(self, micro_batches: Sequence[Any], losses, ctx: StepContext) -> str:
         """Name the first module whose output was non-finite, agreed by all workers (collective)."""
@@ -398,22 +495,22 @@ class Engine:
             first = f"the gradient of parameter '{param}'" if param else "an unknown place"
         return f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
 
-    def _log_step(self, pending_logs, loss_value, denom, grad_norm, values, compute, data_time, total_size) -> None:
+    def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
         m = self.meters
-        for logs, weight in pending_logs:
-            for name, v in logs.items():
+        for values, weight in logs:
+            for name, v in values.items():
                 m.add(name, v, weight)
         # Host numbers, already identical on every worker: weight by 1/world so the summed
         # reduction gives back the value itself.
         w = 1.0 / self.world_size
-        m.add("loss", loss_value, denom * w)
-        m.add("grad_norm", grad_norm, w)
-        m.add("lr", values["lr"], w)
-        m.add("sample_size", total_size, w)
+        m.add("loss", reduced.loss, reduced.weight * w)
+        m.add("grad_norm", reduced.grad_norm, w)
+        m.add("lr", lr, w)
+        m.add("sample_size", reduced.sample_size, w)
         # Units (tokens, for a token-level criterion) per second of step time over all workers
         # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
         busy = compute + data_time
-        m.add("sample_size_per_s", total_size / busy, busy * w)
+        m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
         m.add("compute_time", compute)
         m.add("data_time", data_time)
 
