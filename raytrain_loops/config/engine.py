@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from raytrain_loops.config.base import ConfigError, at_least, opt
@@ -238,15 +238,16 @@ class LoggingConfig:
 class EngineConfig:
     """The sections :class:`raytrain_loops.engine.Engine` reads, and nothing else: the step does
     not see the data, the loop's cadence, the workers or the run's storage. ``Config.engine``
-    gives the view of a whole run config."""
+    gives this view of a whole run config (the same section objects); the keys and their help
+    are those of the run config's sections."""
 
-    optim: OptimConfig = opt(OptimConfig(), "Optimizer and parameter groups.")
-    schedules: dict[str, Schedule] = opt(default_schedules(), "Values as functions of the step.")
-    precision: PrecisionConfig = opt(PrecisionConfig(), "Autocast and loss scaling.")
-    loss: LossConfig = opt(LossConfig(), "Loss reduction across micro-batches and workers.")
-    clip: ClipConfig = opt(ClipConfig(), "Gradient clipping.")
-    freeze: FreezeConfig = opt(FreezeConfig(), "Last-layer freezing.")
-    ema: EMAConfig = opt(EMAConfig(), "Weight EMA / momentum teacher.")
-    nonfinite: NonFiniteConfig = opt(NonFiniteConfig(), "Non-finite loss or gradient policy.")
-    oom: OOMConfig = opt(OOMConfig(), "Out-of-memory policy.")
-    grad_sync: GradSyncConfig = opt(GradSyncConfig(), "Check that workers hold the same gradients.")
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedules: dict[str, Schedule] = field(default_factory=default_schedules)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    oom: OOMConfig = field(default_factory=OOMConfig)
+    grad_sync: GradSyncConfig = field(default_factory=GradSyncConfig)

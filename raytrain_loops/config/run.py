@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -233,18 +233,7 @@ class Config:
     @property
     def engine(self) -> EngineConfig:
         """The sections the engine's step reads (the same objects, not copies)."""
-        return EngineConfig(
-            optim=self.optim,
-            schedules=self.schedules,
-            precision=self.precision,
-            loss=self.loss,
-            clip=self.clip,
-            freeze=self.freeze,
-            ema=self.ema,
-            nonfinite=self.nonfinite,
-            oom=self.oom,
-            grad_sync=self.grad_sync,
-        )
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (YAML/JSON-safe) of the whole config."""

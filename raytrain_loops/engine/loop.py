@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import AccumConfig, SpikeConfig
-from raytrain_loops.config.run import Config, LoopConfig
+from raytrain_loops.config.run import Config
 from raytrain_loops.engine.guards import SpikeDetector
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters
@@ -106,9 +106,9 @@ class SpikeGuard(Callback):
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """The config sections the loop reads: the run's length, accumulation, and cadences."""
+    """The config sections the loop reads: accumulation and cadences (the run's length is the
+    engine's ``total_steps``, from :mod:`raytrain_loops.engine.length`)."""
 
-    length: LoopConfig
     accum: AccumConfig
     eval_every: int = 0  # 0: at the end of every epoch
     eval_ema: bool = True
@@ -119,7 +119,6 @@ class LoopSettings:
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
         return cls(
-            length=config.loop,
             accum=config.accum,
             eval_every=config.eval.every_steps,
             eval_ema=config.eval.ema,
