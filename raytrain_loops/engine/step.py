@@ -178,6 +178,7 @@ class Engine:
         self.device = next(self.module.parameters()).device
         self._cdev = dist.collective_device()
         self._check_sync = config.grad_sync.check and self.world_size > 1
+        self._mean = config.loss.reduction == "mean"
         groups = param_groups(self.module, config.optim, task_param_groups)
         self.optimizer = build_optimizer(groups, config.optim)
         self.scaler = grad_scaler(config.precision, self.device)
@@ -232,7 +233,6 @@ class Engine:
     def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> _Local:
         """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
         k = len(micro_batches)
-        mean = self.config.loss.reduction == "mean"
         local = _Local()
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
@@ -245,7 +245,7 @@ class Engine:
                 with self._sync(last):
                     with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
-                    self.scaler.scale(out.loss / k if mean else out.loss).backward()
+                    self.scaler.scale(out.loss / k if self._mean else out.loss).backward()
             except Exception as err:
                 if not is_oom(err):
                     raise
@@ -281,7 +281,7 @@ class Engine:
             slots[dist.rank()] = packed[4]
             packed = torch.cat([packed, slots])
         dist.all_reduce_sum(packed)
-        return Reduced.from_sums(packed.tolist(), mean=self.config.loss.reduction == "mean", world=self.world_size)
+        return Reduced.from_sums(packed.tolist(), mean=self._mean, world=self.world_size)
 
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""

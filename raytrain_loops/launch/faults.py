@@ -1,7 +1,8 @@
 """Faults injected on purpose (``fault.plan``), to test that runs recover from them.
 
-A loop :class:`~raytrain_loops.engine.loop.Callback`. A fault fires once: the worker that fires it first writes a marker into the run directory, so
-the attempt Ray starts after the failure, which passes the same step again, runs clean.
+A loop :class:`~raytrain_loops.engine.loop.Callback`. A fault fires once: the worker that fires
+it first writes a marker into the run directory, so the attempt Ray starts after the failure,
+which passes the same step again, runs clean.
 """
 
 from __future__ import annotations

@@ -48,11 +48,16 @@ def trial_base(base: Config, sweep: SweepConfig, sweep_dir: str) -> Config:
     metric evaluated and reported (and, for PBT, checkpointed) at the scheduler's decision points."""
     s = sweep.scheduler
     every = {"asha": s.grace_period, "pbt": s.perturbation_interval}.get(s.name)
-    run = replace(base.run, progress=False, name="", storage_path=storage.join(sweep_dir, "trials"))
+    run = replace(
+        base.run,
+        progress=False,
+        name="",
+        storage_path=storage.join(sweep_dir, "trials"),
+        report_every_steps=every or base.run.report_every_steps,
+    )
     changes: dict[str, Any] = {"scaling": sweep.trial, "run": run}
     if every:
         changes["eval"] = replace(base.eval, every_steps=every)
-        changes["run"] = replace(run, report_every_steps=every)
     if s.name == "pbt":
         changes["checkpoint"] = replace(base.checkpoint, every_steps=s.perturbation_interval)
     return replace(base, **changes)
