@@ -1,4 +1,5 @@
-"""Run a function on N CPU processes joined in a gloo process group, with a hard deadline.
+"""Run a function on N processes joined in a process group (gloo on CPU, NCCL with one GPU per
+process), with a hard deadline.
 
 A worker that hangs makes the test fail (all processes are killed at the deadline) instead of
 hanging the suite. Each worker's return value, or the exception it raised, comes back in rank
@@ -33,10 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
+def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
         outcome = WorkerOutcome(value=fn(rank, world, *args))
     except Exception as err:  # reported to the test, which decides whether it was expected
@@ -46,11 +49,20 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
 
 
 def run_gloo(world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their outcomes in rank order."""
+    """Run ``fn(rank, world, *args)`` on ``world`` CPU processes; return their outcomes in rank order."""
+    return run_group("gloo", world, fn, *args, timeout=timeout)
+
+
+def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
+    on GPU r); return their outcomes in rank order."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, port, outdir, backend, fn, args), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)

@@ -1,0 +1,188 @@
+"""The engine on CUDA: the LM recipe's model through the loop under NCCL in bf16 and fp16, the
+fp16 loss scaler on a real overflow, and a bit-exact resume of the CUDA RNG.
+
+Skipped where no GPU is present (the project's CI machines); run on a GPU machine with
+``python -m pytest -m gpu``. The process-group tests run on every GPU of the machine (one
+process each) and on one.
+"""
+
+from __future__ import annotations
+
+import copy
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raytrain_loops.config import load_config
+from raytrain_loops.engine import Decision, Engine, LossOutput
+from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
+from raytrain_loops.recipes import resolve
+from raytrain_loops.tasks.lm import LMTask
+from tests import fakes
+from tests.gloo import run_group
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+STEPS = 80
+
+
+def _lm_task() -> LMTask:
+    # The stdlib's email package: a few hundred KB of text, prepared in seconds.
+    source = Path(sysconfig.get_paths()["stdlib"]) / "email"
+    return LMTask(dim=128, layers=2, heads=4, max_len=256, max_tokens=4096, val_percent=20.0, source=str(source))
+
+
+def _rows(task: LMTask, data_dir: Path, split: str) -> list:
+    """Each Parquet row of a split as one collated micro-batch (one packed batch of sequences)."""
+    import pyarrow.parquet as pq
+
+    path = task.splits(data_dir)[split].path
+    table = pq.read_table(path).to_pydict()
+    batches = []
+    for tokens, lengths in zip(table["tokens"], table["lengths"], strict=True):
+        row = {"tokens": np.array([tokens], dtype=object), "lengths": np.array([lengths], dtype=object)}
+        batches.append(task.collate(row))
+    return batches
+
+
+class ListSource:
+    """This worker's share of a list of batches: every ``world``-th from ``rank``."""
+
+    def __init__(self, train: list, evaluation: list, rank: int, world: int):
+        self.train, self.eval = train[rank::world], evaluation[rank::world]
+        self.batches_per_epoch, self.has_eval = len(self.train), bool(self.eval)
+
+    def batches(self, split: str, epoch: int, start: int = 0):
+        return (self.train if split == "train" else self.eval)[start:]
+
+
+class Recorder:
+    def __init__(self):
+        self.reports: list[dict] = []
+
+    def report(self, metrics, checkpoint):
+        self.reports.append(dict(metrics))
+
+
+class Losses(Callback):
+    """Records each step's decision and loss."""
+
+    def __init__(self):
+        self.steps: list[tuple[str, float]] = []
+
+    def on_step(self, result, step, epoch):
+        self.steps.append((result.decision.value, result.loss))
+
+
+def _lm_under_nccl(rank: int, world: int, dtype: str, data_dir: str):
+    task = _lm_task()
+    task.prepare(Path(data_dir))  # already written by the test: this reads the stats back
+    train, evaluation = _rows(task, Path(data_dir), "train"), _rows(task, Path(data_dir), "eval")
+    cfg = load_config(
+        resolve("lm"),
+        [f"precision.dtype={dtype}", f"loop.max_steps={STEPS}", "eval.every_steps=0", "logging.every_steps=10"],
+    )
+    torch.manual_seed(0)
+    model = DDP(task.build_model().cuda(), device_ids=[rank])
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=STEPS)
+    source, reporter, losses = ListSource(train, evaluation, rank, world), Recorder(), Losses()
+    Loop(engine, source, reporter, LoopSettings.of(cfg), task.evaluate, [losses]).run()
+    final = reporter.reports[-1]
+    return {
+        "device": str(engine.device),
+        "collective_device": str(engine._cdev),
+        "steps": losses.steps,
+        "applied": engine.step,
+        "eval_bpb": final["eval_bpb"],
+        "eval_unigram_bpb": final["eval_unigram_bpb"],
+        "loss_scale": engine.scaler.get_scale() if engine.scaler.is_enabled() else None,
+        "weights": {k: v.float().cpu() for k, v in engine.module.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("world", sorted({1, torch.cuda.device_count()}))
+def test_the_lm_recipe_trains_on_gpus_under_nccl(tmp_path, dtype, world):
+    _lm_task().prepare(tmp_path)
+    outcomes = run_group("nccl", world, _lm_under_nccl, dtype, str(tmp_path), timeout=240)
+    assert [o.error for o in outcomes] == [None] * world, [o.message for o in outcomes]
+    first = outcomes[0].value
+    assert first["device"] == "cuda:0" and first["collective_device"] == "cuda:0"
+    applied = [loss for decision, loss in first["steps"] if decision == "applied"]
+    if dtype == "bf16":
+        assert first["applied"] == STEPS and len(first["steps"]) == STEPS  # bf16 needs no loss scale: no skips
+    else:
+        # fp16: the scale starts high, so the first steps may overflow; each skip is counted and
+        # the run still makes its STEPS updates.
+        skipped = [d for d, _ in first["steps"] if d != "applied"]
+        assert set(skipped) <= {"overflow"} and first["applied"] == STEPS
+        assert first["loss_scale"] is not None and first["loss_scale"] >= 1.0
+    assert np.mean(applied[-10:]) < 0.75 * np.mean(applied[:10])  # per-token loss falls
+    assert first["eval_bpb"] < first["eval_unigram_bpb"]  # better than the byte frequencies alone
+    for other in outcomes[1:]:  # DDP keeps every GPU's weights equal
+        for name, w in first["weights"].items():
+            assert torch.equal(w, other.value["weights"][name]), name
+
+
+def test_fp16_overflow_on_cuda_skips_the_update_keeps_the_weights_and_halves_the_scale():
+    cfg = fakes.config("precision.dtype=fp16", "precision.init_scale=1024")
+    model = fakes.make_model().cuda()
+    blow_up = {"on": True}
+
+    def loss_fn(m, batch, ctx):
+        x, y = batch
+        out = m(x)
+        if blow_up["on"]:
+            out = out * torch.tensor(float("inf"), device=out.device)
+        return LossOutput(torch.nn.functional.mse_loss(out.float(), y), sample_size=len(x))
+
+    engine = Engine(model, loss_fn, cfg.engine, total_steps=10)
+    x, y = fakes.regression_data()
+    batch = (x.cuda(), y.cuda())
+    before = fakes.params(engine.module)
+    result = engine.train_step([batch])
+    assert result.decision is Decision.SKIP_OVERFLOW
+    assert engine.step == 0 and engine.counts["overflow"] == 1
+    assert engine.scaler.get_scale() == 512.0
+    for name, value in fakes.params(engine.module).items():
+        assert torch.equal(value, before[name]), name
+    blow_up["on"] = False
+    assert engine.train_step([batch]).decision is Decision.APPLY and engine.step == 1
+
+
+def test_a_resumed_engine_redraws_the_same_cuda_dropout_masks():
+    cfg = fakes.config("schedules.lr.value=0.05")
+    x, y = fakes.regression_data(n=64)
+    batch = (x.cuda(), y.cuda())
+
+    def engine():
+        return Engine(fakes.make_model(dropout=0.5).cuda(), fakes.mean_loss, cfg.engine, total_steps=10)
+
+    straight = engine()
+    for _ in range(3):
+        straight.train_step([batch])
+    saved = copy.deepcopy(straight.state_dict())
+    for _ in range(3):
+        straight.train_step([batch])
+    resumed = engine()
+    torch.cuda.manual_seed_all(123)  # a restarted process starts from other CUDA RNG states
+    resumed.load_state_dict(saved)
+    for _ in range(3):
+        resumed.train_step([batch])
+    for name, value in straight.module.state_dict().items():
+        assert torch.equal(value, resumed.module.state_dict()[name]), name
+    # Without the saved RNG the masks differ, and so do the weights: the check above can fail.
+    redrawn = engine()
+    torch.cuda.manual_seed_all(123)
+    saved.pop("rng")
+    redrawn.load_state_dict(saved)
+    for _ in range(3):
+        redrawn.train_step([batch])
+    assert not torch.equal(straight.module.encoder.weight, redrawn.module.encoder.weight)
