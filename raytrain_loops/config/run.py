@@ -42,7 +42,9 @@ __all__ = [
 class TaskConfig:
     """What is trained: a built-in task name or ``package.module:factory``, and its parameters."""
 
-    name: str = opt("digits", "Built-in task name, or 'package.module:callable' returning a Task.")
+    name: str = opt(
+        "digits", "Built-in task name, or 'package.module:X': a Task subclass or a function annotated '-> Task'."
+    )
     params: dict[str, Any] = opt({}, "Keyword arguments for the task.")
 
 

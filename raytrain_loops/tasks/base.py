@@ -8,6 +8,7 @@ instance to ``raytrain_loops.fit(config, task=...)`` or name it in a recipe as
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext
 
 
@@ -75,26 +77,67 @@ class Task:
         return None
 
 
-def build_task(name: str, params: dict[str, Any]) -> Task:
-    """A built-in task by name, or ``package.module:callable`` called with ``params``."""
+def _describe(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"class {obj.__module__}.{obj.__qualname__}"
+    return type(obj).__name__
+
+
+def _check_factory(name: str, factory: Any) -> None:
+    """Refuse, without calling it, anything but a Task subclass or a function annotated to return one.
+
+    A recipe can name any importable callable; calling first and checking the result after would
+    let ``task.name: os:system`` run a shell command before any error is raised.
+    """
+    if isinstance(factory, type):
+        if issubclass(factory, Task):
+            return
+        raise ConfigError("task.name", f"{name!r} is {_describe(factory)}, not a subclass of raytrain_loops Task")
+    if not inspect.isfunction(factory):
+        raise ConfigError(
+            "task.name", f"{name!r} is a {_describe(factory)}, not a Task subclass or a function returning one"
+        )
+    try:
+        returns = inspect.signature(factory, eval_str=True).return_annotation
+    except Exception as err:  # an annotation naming something its module cannot resolve
+        raise ConfigError("task.name", f"{name!r}: cannot read its return annotation ({err})") from None
+    if not (isinstance(returns, type) and issubclass(returns, Task)):
+        found = "none" if returns is inspect.Signature.empty else f"-> {returns!r}"
+        raise ConfigError(
+            "task.name", f"{name!r} is a function without a Task return annotation (it has {found}); it was not called"
+        )
+
+
+def _resolve(name: str) -> Any:
     from raytrain_loops.tasks import BUILTIN
 
     if name in BUILTIN:
-        factory = BUILTIN[name]
-    elif ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"task.name={name!r}: cannot import it ({err})") from None
-    else:
-        raise ValueError(
-            f"task.name={name!r}: not a built-in task ({', '.join(sorted(BUILTIN))}) nor 'module:callable'"
+        return BUILTIN[name]
+    if ":" not in name:
+        raise ConfigError(
+            "task.name", f"{name!r}: not a built-in task ({', '.join(sorted(BUILTIN))}) nor 'module:callable'"
         )
+    module_name, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError("task.name", f"{name!r}: cannot import it ({err})") from None
+    _check_factory(name, factory)
+    return factory
+
+
+def build_task(name: str, params: dict[str, Any]) -> Task:
+    """A built-in task by name, or ``package.module:callable`` called with ``params``.
+
+    The callable must be a :class:`Task` subclass or a function whose return annotation is one;
+    anything else is refused before it is called. Importing the module runs its code, so a recipe
+    is trusted input, like a Python file.
+    """
+    factory = _resolve(name)
     try:
         task = factory(**params)
     except TypeError as err:
-        raise ValueError(f"task.params for {name!r}: {err}") from None
+        raise ConfigError("task.params", f"for {name!r}: {err}") from None
     if not isinstance(task, Task):
-        raise ValueError(f"task.name={name!r} returned {type(task).__name__}, not a raytrain_loops Task")
+        raise ConfigError("task.name", f"{name!r} returned {type(task).__name__}, not a raytrain_loops Task")
     return task
