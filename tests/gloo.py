@@ -45,12 +45,16 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn, args) -> None:
     dist.destroy_process_group()
 
 
-def run_gloo(world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their outcomes in rank order."""
+def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return their outcomes in rank order.
+    ``daemon=False`` lets them start processes of their own (DataLoader workers); the deadline
+    still kills them."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, port, outdir, fn, args), daemon=daemon) for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
