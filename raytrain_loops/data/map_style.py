@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from raytrain_loops.config.run import DataConfig
 from raytrain_loops.engine.length import batches_per_epoch
