@@ -3,7 +3,7 @@
     .venv/bin/python examples/custom_task.py
 
 Two interleaved spirals, an MLP, a map-style torch dataset (read through a DataLoader with a
-DistributedSampler on each worker), and accuracy on a held-out set.
+seeded DistributedSampler on each worker), and accuracy on a held-out set.
 """
 
 from __future__ import annotations

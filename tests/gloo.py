@@ -48,19 +48,21 @@ def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args
     dist.destroy_process_group()
 
 
-def run_gloo(world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` CPU processes; return their outcomes in rank order."""
-    return run_group("gloo", world, fn, *args, timeout=timeout)
+def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` CPU processes; return their outcomes in rank order.
+    ``daemon=False`` lets them start processes of their own (DataLoader workers); the deadline
+    still kills them."""
+    return run_group("gloo", world, fn, *args, timeout=timeout, daemon=daemon)
 
 
-def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0) -> list[WorkerOutcome]:
+def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
     on GPU r); return their outcomes in rank order."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
-            ctx.Process(target=_entry, args=(r, world, port, outdir, backend, fn, args), daemon=True)
+            ctx.Process(target=_entry, args=(r, world, port, outdir, backend, fn, args), daemon=daemon)
             for r in range(world)
         ]
         for p in procs:

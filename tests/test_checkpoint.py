@@ -120,6 +120,14 @@ def test_reliability_settings_are_checked(override, key, fragment):
     assert info.value.key == key and fragment in str(info.value)
 
 
+def test_a_spike_window_shorter_than_its_min_steps_is_refused_naming_the_key():
+    # The history holds at most window losses: min_steps above it would switch the guard off.
+    with pytest.raises(ConfigError) as info:
+        load_config(resolve("default"), ["spike.factor=3", "spike.window=5", "spike.min_steps=10"])
+    assert info.value.key == "spike.min_steps" and "must be <= window=5" in str(info.value)
+    assert load_config(resolve("default"), ["spike.window=5", "spike.min_steps=10"]).spike.factor == 0  # off: moot
+
+
 def test_a_checkpoint_records_who_wrote_it(tmp_path):
     _write(tmp_path, world=3)
     manifest = json.loads((tmp_path / "manifest.rank2.json").read_text())

@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
+from raytrain_loops.engine.guards import LossSpikeError, NonFiniteError
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
-from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
+from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position, SpikeGuard
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -88,16 +89,21 @@ def _evaluate(model, batch):
     return {"mse": (torch.nn.functional.mse_loss(model(x), y), len(x))}
 
 
-def _run(*overrides, batches=7, available=None, model=None, position=Position(), state=None, callbacks=()):
+def _loop(*overrides, batches=7, available=None, model=None, state=None, callbacks=(), loss_fn=fakes.mean_loss):
     cfg = fakes.config("schedules.lr.value=0.05", *overrides)
     source = FakeSource(batches, available)
     total = total_steps(cfg.loop, cfg.accum, batches)
-    engine = Engine(model or fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=total)
+    engine = Engine(model or fakes.make_model(), loss_fn, cfg.engine, total_steps=total)
     if state is not None:
         engine.load_state_dict(state)
     reporter = RecordingReporter(engine)
-    Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks).run(position)
-    return engine, source, reporter
+    return Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks), source, reporter
+
+
+def _run(*overrides, position=Position(), **kw):
+    loop, source, reporter = _loop(*overrides, **kw)
+    loop.run(position)
+    return loop.engine, source, reporter
 
 
 CADENCE = ["loop.epochs=3", "accum.steps=2", "eval.every_steps=0", "checkpoint.every_steps=4"]
@@ -145,6 +151,74 @@ def test_a_run_resumed_mid_epoch_continues_bit_for_bit_with_the_batches_it_had_l
     # The resumed run read exactly what the straight one read after the checkpoint.
     cut = straight_source.yielded.index((1, 2))
     assert resumed_source.yielded == straight_source.yielded[cut:]
+
+
+def _through_a_file(state, tmp_path):
+    """The state as a resumed run reads it: saved, then loaded without unpickling code."""
+    torch.save(state, tmp_path / "state.pt")
+    return torch.load(tmp_path / "state.pt", weights_only=True)
+
+
+def _scaled_at(update: int, factor: float):
+    """The mean loss, times ``factor`` for every micro-batch of update number ``update``."""
+
+    def loss(model, batch, ctx):
+        out = fakes.mean_loss(model, batch, ctx)
+        if ctx.step + 1 == update:
+            out.loss = out.loss * factor
+        return out
+
+    return loss
+
+
+SPIKE = ["loop.epochs=2", "checkpoint.every_steps=4", "spike.factor=5", "spike.window=4", "spike.min_steps=3"]
+
+
+def test_a_resumed_run_calls_a_loss_spike_where_the_uninterrupted_one_does(tmp_path):
+    spike = fakes.config(*SPIKE).spike
+    straight, _, reporter = _loop(*SPIKE, loss_fn=_scaled_at(6, 100.0), callbacks=[SpikeGuard(spike)])
+    with pytest.raises(LossSpikeError) as called:
+        straight.run()
+    state, position = reporter.saved[4]
+    assert position == Position(0, 4) and len(state["callbacks"]["SpikeGuard"]["history"]) == 4
+    # Resumed at step 4, the guard has one loss of its own before step 6, fewer than min_steps:
+    # only the saved history lets it call the spike, on the same mean.
+    resumed, _, _ = _loop(
+        *SPIKE,
+        loss_fn=_scaled_at(6, 100.0),
+        callbacks=[SpikeGuard(spike)],
+        model=fakes.make_model(seed=9),
+        state=_through_a_file(state, tmp_path),
+    )
+    with pytest.raises(LossSpikeError) as again:
+        resumed.run(position)
+    assert str(again.value) == str(called.value) and "at step 6" in str(called.value)
+
+
+SKIPS = ["loop.epochs=2", "checkpoint.every_steps=0", "nonfinite.policy=skip", "nonfinite.max_consecutive=3"]
+
+
+def test_a_resumed_run_counts_skipped_updates_in_a_row_from_before_the_checkpoint(tmp_path):
+    # 4 batches an epoch: updates 1-3 apply, then every call for update 4 is NaN. The epoch ends
+    # (and checkpoints) after the first such skip; the third in a row, early in epoch 1, stops.
+    nan = _scaled_at(4, float("nan"))
+    straight, straight_source, reporter = _loop(*SKIPS, batches=4, loss_fn=nan)
+    with pytest.raises(NonFiniteError, match="3 updates in a row"):
+        straight.run()
+    state, position = reporter.saved[3]
+    assert position == Position(1, 0) and state["counters"]["in_a_row_nonfinite"] == 1
+    resumed, resumed_source, _ = _loop(
+        *SKIPS, batches=4, loss_fn=nan, model=fakes.make_model(seed=9), state=_through_a_file(state, tmp_path)
+    )
+    with pytest.raises(NonFiniteError, match="3 updates in a row"):
+        resumed.run(position)
+    assert resumed.engine.counts == straight.engine.counts  # 3 skips in all, not 4
+    assert resumed_source.yielded == straight_source.yielded[4:] == [(1, 0), (1, 1)]
+    # A checkpoint written before these were saved still loads: no skips in a row, no callback state.
+    old = {**state, "counters": {k: v for k, v in state["counters"].items() if not k.startswith("in_a_row")}}
+    del old["callbacks"]
+    resumed.engine.load_state_dict(old)
+    assert resumed.engine.state_dict()["counters"]["in_a_row_nonfinite"] == 0
 
 
 def test_max_steps_inside_an_epoch_stops_there_and_checkpoints_the_position():

@@ -216,12 +216,19 @@ class SpikeConfig:
 
     factor: float = opt(0.0, "Stop when a step's loss exceeds factor x the mean of the previous window; 0: off.")
     window: int = opt(50, "Steps in the running mean the loss is compared with.")
-    min_steps: int = opt(20, "Steps of history needed before a spike can be called.")
+    min_steps: int = opt(20, "Steps of history needed before a spike can be called (at most window).")
 
     def __post_init__(self) -> None:
         if self.factor != 0 and self.factor <= 1:
             raise ConfigError("factor", f"must be 0 (off) or > 1; got {self.factor}")
         at_least(self, 1, "window", "min_steps")
+        if self.factor and self.min_steps > self.window:
+            # The history holds at most ``window`` losses, so it would never reach min_steps.
+            raise ConfigError(
+                "min_steps",
+                f"must be <= window={self.window} (the history holds at most window losses, so no spike "
+                f"could ever be called); got {self.min_steps}",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -100,3 +100,12 @@ class SpikeDetector:
                     f"{len(self.history)} steps (spike.factor={self.factor:g})"
                 )
         self.history.append(loss)
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The recent losses, so a resumed run calls a spike where the uninterrupted one would."""
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        """Restore what :meth:`state_dict` captured (the newest ``window`` losses of it)."""
+        self.history.clear()
+        self.history.extend(float(v) for v in state["history"])

@@ -74,7 +74,28 @@ class Reporter(Protocol):
 
 
 class Callback:
-    """Hooks the loop calls on every worker at the same points; each does nothing by default."""
+    """Hooks the loop calls on every worker at the same points; each does nothing by default.
+
+    A callback whose decisions depend on what it saw earlier (the spike guard's recent losses)
+    returns that from :meth:`state_dict`; the loop saves it with the engine's state under
+    ``callbacks[name]`` (``name``: the class name unless set) and gives it back to
+    :meth:`load_state_dict` when a run resumes. Only rank 0's engine state is saved, so that
+    state must be the same on every worker, as the callback's decisions must be.
+    """
+
+    name: str | None = None
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint."""
+        return self.name or type(self).__name__
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a resumed run needs to continue as this one would; None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` returned when the checkpoint was written."""
 
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         """After every call of the step, applied or skipped; ``step`` counts applied updates."""
@@ -102,6 +123,12 @@ class SpikeGuard(Callback):
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         if result.applied:
             self.detector.check(result.loss, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.detector.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state)
 
 
 @dataclass(frozen=True)
@@ -191,6 +218,9 @@ class Loop:
     ):
         self.engine, self.source, self.reporter, self.settings = engine, source, reporter, settings
         self.evaluate_fn, self.callbacks, self.scale = evaluate_fn, list(callbacks), scale
+        keys = [cb.state_key for cb in self.callbacks if type(cb).state_dict is not Callback.state_dict]
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"two callbacks share a state key (set Callback.name to tell them apart): {keys}")
         self.metrics: dict[str, float] = {}  # the latest interval's, carried by every report
         self.last_eval: dict[str, float] = {}  # the latest evaluation's, carried by every report
         self.calls = 0
@@ -202,6 +232,10 @@ class Loop:
     def run(self, position: Position = Position()) -> None:
         """Train from ``position`` (where a restored checkpoint left the data) to the end; the
         final evaluation, checkpoint and report take the same path as the periodic ones."""
+        for cb in self.callbacks:
+            saved = self.engine.callback_state.get(cb.state_key)
+            if saved is not None:  # the engine's state was restored from a checkpoint
+                cb.load_state_dict(saved)
         try:
             while self.engine.step < self.total:
                 position, finished = self._epoch(position)
@@ -270,4 +304,6 @@ class Loop:
         if checkpoint_now:
             for cb in self.callbacks:
                 cb.before_checkpoint()
+            states = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+            engine.callback_state = {k: v for k, v in states.items() if v is not None}
         self.reporter.report(metrics, position if checkpoint_now else None)

@@ -199,6 +199,9 @@ class Engine:
         self.epoch = 0
         self.counts = {"overflow": 0, "nonfinite": 0, "oom": 0, "micro_batches": 0}
         self._in_a_row = {"nonfinite": 0, "oom": 0}
+        # The loop's callbacks' state by callback name, saved and restored with the engine's:
+        # the loop sets it before each checkpoint and hands it back when a run resumes.
+        self.callback_state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the step
 
@@ -477,7 +480,13 @@ class Engine:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "ema": self.ema.state_dict() if self.ema else None,
-            "counters": {"step": self.step, "epoch": self.epoch, **{f"count_{k}": v for k, v in self.counts.items()}},
+            "counters": {
+                "step": self.step,
+                "epoch": self.epoch,
+                **{f"count_{k}": v for k, v in self.counts.items()},
+                **{f"in_a_row_{k}": v for k, v in self._in_a_row.items()},
+            },
+            "callbacks": dict(self.callback_state),
             "rng": rng_state(),
         }
 
@@ -494,5 +503,9 @@ class Engine:
         c = state["counters"]
         self.step, self.epoch = int(c["step"]), int(c["epoch"])
         self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
+        # Checkpoints written before these were saved resume with no skips in a row and no
+        # callback state.
+        self._in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self._in_a_row}
+        self.callback_state = dict(state.get("callbacks") or {})
         if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
             set_rng_state(state["rng"])

@@ -1,5 +1,6 @@
-"""This worker's batches from Ray: Ray Data shards of Parquet splits, or a DataLoader over a
-map-style split sharded by Ray Train. The loop's :class:`~raytrain_loops.engine.loop.BatchSource`."""
+"""This worker's batches on Ray: Ray Data shards of Parquet splits, or the batches of map-style
+splits (:mod:`raytrain_loops.data.map_style`). The loop's
+:class:`~raytrain_loops.engine.loop.BatchSource`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ from typing import Any
 
 import numpy as np
 import ray.train
-import ray.train.torch
-import torch
 
 from raytrain_loops.config import Config
+from raytrain_loops.data import MapBatches
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.tasks import MapSplit, Task
 
@@ -53,40 +53,24 @@ def shuffled(fetched: Iterable[dict[str, Any]], seed: tuple[int, ...]) -> Iterab
 
 
 class RayBatches:
-    """This worker's batches of each split, per epoch, from Ray Data shards or a DataLoader."""
+    """This worker's batches of each split, per epoch, from Ray Data shards or (map-style
+    splits) a :class:`~raytrain_loops.data.MapBatches`, which needs no Ray."""
 
     def __init__(self, task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int], rank: int, world: int):
         self.task, self.data, self.seed, self.rank = task, config.data, config.loop.seed, rank
         self.has_eval = "eval" in splits
-        self.loaders = {
-            name: self._loader(split, train=name == "train")
-            for name, split in splits.items()
-            if isinstance(split, MapSplit)
-        }
-        padded = isinstance(splits["train"], MapSplit)  # a DistributedSampler pads every worker's share
+        maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
+        self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world)
+        padded = "train" in maps  # a DistributedSampler pads every worker's share
         self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size, padded=padded)
 
-    def _loader(self, split: MapSplit, train: bool) -> torch.utils.data.DataLoader:
-        loader = torch.utils.data.DataLoader(
-            split.dataset,
-            batch_size=self.data.batch_size if train else self.data.eval_batch_size,
-            shuffle=train,
-            drop_last=train,
-            num_workers=self.data.loader_workers,
-            collate_fn=split.collate_fn,
-        )
-        return ray.train.torch.prepare_data_loader(loader, move_to_device=False)
-
     def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
-        stream = self._epoch(split, epoch)
+        if split in self.maps.splits:
+            return self.maps.batches(split, epoch, start)
+        stream = self._shard(split, epoch)
         return itertools.islice(stream, start, None) if start else stream
 
-    def _epoch(self, split: str, epoch: int) -> Iterable[Any]:
-        if split in self.loaders:
-            loader = self.loaders[split]
-            if hasattr(loader.sampler, "set_epoch"):
-                loader.sampler.set_epoch(epoch)
-            return loader
+    def _shard(self, split: str, epoch: int) -> Iterable[Any]:
         shard = ray.train.get_dataset_shard(split)
         train = split == "train"
         size = self.data.batch_size if train else self.data.eval_batch_size

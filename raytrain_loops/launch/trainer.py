@@ -56,6 +56,17 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
     )
 
 
+def data_config() -> ray.train.DataConfig:
+    """How Parquet splits are sharded: equal shares whatever node each worker runs on.
+
+    With shard locality on, Ray Data would hand a block to the worker on the node holding it,
+    so the rows a worker gets would follow where the workers happened to be scheduled, and a
+    restarted group placed differently would resume on other rows. Ray 2.60 already ignores
+    locality under ``preserve_order`` (set below); this keeps the guarantee explicit.
+    """
+    return ray.train.DataConfig(enable_shard_locality=False)
+
+
 MATERIALIZE_BELOW_BYTES = 1 << 30
 
 
@@ -106,4 +117,5 @@ def build_trainer(
         scaling_config=scaling_config(config),
         run_config=run_config(config, name, callbacks),
         datasets=datasets or None,
+        dataset_config=data_config(),
     )

@@ -1,0 +1,122 @@
+"""Batches of map-style splits (``MapSplit``) for one worker of a group, without Ray.
+
+An epoch's batches are a function of (``loop.seed``, epoch, rank) alone, so a run resumed
+mid-epoch continues with exactly the batches the interrupted one had left:
+
+- the order: a ``DistributedSampler`` with this worker's rank, the group size and ``loop.seed``,
+  set to the epoch (one permutation shared by the group, each worker taking its share, padded
+  to equal counts as :func:`~raytrain_loops.engine.length.batches_per_epoch` assumes);
+- the position: a resumed epoch starts at its batch ``start`` in the sampler's order, without
+  loading the batches before it;
+- random augmentation: every batch is read and collated under torch, NumPy and Python RNGs
+  seeded from (seed, epoch, rank, batch number), in whichever process reads it, so its draws do
+  not depend on ``data.loader_workers``, on which loader process got it, or on what was read
+  before. In the training process (``data.loader_workers=0``) the RNG states are put back after
+  each batch, so dropout draws from the stream the checkpoint saved;
+- the DataLoader draws its workers' base seed from a generator of its own, never from the
+  global RNG that a resumed run restores mid-epoch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+
+from raytrain_loops.config.run import DataConfig
+from raytrain_loops.engine.length import batches_per_epoch
+from raytrain_loops.engine.rng import rng_state, set_rng_state
+
+
+def derived_seeds(*key: int) -> tuple[int, int, int]:
+    """Independent seeds for torch (64 bits), NumPy (32 bits) and Python from a tuple of ints."""
+    words = np.random.SeedSequence([k % 2**63 for k in key]).generate_state(4)
+    return int(words[0]) << 31 | int(words[1]) >> 1, int(words[2]), int(words[3])
+
+
+@contextmanager
+def seeded(*key: int, restore: bool) -> Iterator[None]:
+    """Run the block with torch, NumPy and Python's global RNGs seeded from ``key``; with
+    ``restore``, put their previous states back afterwards."""
+    saved = rng_state() if restore else None
+    t, n, p = derived_seeds(*key)
+    torch.manual_seed(t)
+    np.random.seed(n)
+    random.seed(p)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            set_rng_state(saved)
+
+
+class _Batches(Dataset):
+    """A map-style dataset read a batch at a time: item ``(number, rows)`` is the collated batch
+    of ``rows``, read under RNGs seeded from ``key + (number,)``."""
+
+    def __init__(self, dataset: Any, collate: Any, key: tuple[int, ...]):
+        self.dataset, self.collate, self.key = dataset, collate or default_collate, key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, list[int]]) -> Any:
+        number, rows = item
+        # In a loader process the states need no restoring: each batch seeds its own.
+        in_trainer = torch.utils.data.get_worker_info() is None
+        with seeded(*self.key, number, restore=in_trainer):
+            return self.collate([self.dataset[i] for i in rows])
+
+
+def _unchanged(batch: Any) -> Any:
+    return batch
+
+
+class MapBatches:
+    """This worker's batches of map-style splits, per epoch, from any batch on: the loop's
+    :class:`~raytrain_loops.engine.loop.BatchSource` for ``MapSplit`` data.
+
+    ``splits`` maps a split name ("train", "eval") to an object with ``dataset`` and
+    ``collate_fn`` (a :class:`~raytrain_loops.tasks.MapSplit`). Training batches are shuffled
+    and the last partial one dropped; evaluation reads this worker's rows (every ``world``-th)
+    in order, each row on one worker only.
+    """
+
+    def __init__(self, splits: dict[str, Any], data: DataConfig, seed: int, rank: int, world: int):
+        self.splits, self.data, self.seed, self.rank, self.world = splits, data, seed, rank, world
+        self.has_eval = "eval" in splits
+        if "train" in splits:
+            rows = len(splits["train"].dataset)
+            self.batches_per_epoch = batches_per_epoch(rows, world, data.batch_size, padded=True)
+
+    def _rows(self, split: str, epoch: int) -> list[list[int]]:
+        """This worker's batches of ``split`` in ``epoch``, as lists of row indices."""
+        dataset = self.splits[split].dataset
+        if split != "train":
+            mine = list(range(self.rank, len(dataset), self.world))
+            size = self.data.eval_batch_size
+            return [mine[i : i + size] for i in range(0, len(mine), size)]
+        sampler = DistributedSampler(dataset, self.world, self.rank, shuffle=True, seed=self.seed)
+        sampler.set_epoch(epoch)
+        mine, size = list(sampler), self.data.batch_size
+        return [mine[i : i + size] for i in range(0, len(mine) - size + 1, size)]
+
+    def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
+        """The batches of ``split`` in ``epoch``, from batch ``start`` on."""
+        rows = self._rows(split, epoch)
+        key = (self.seed, epoch, self.rank, 0 if split == "train" else 1)
+        items = [(number, rows[number]) for number in range(start, len(rows))]
+        source = self.splits[split]
+        return DataLoader(
+            _Batches(source.dataset, source.collate_fn, key),
+            batch_size=None,  # the items are whole batches
+            sampler=items,
+            num_workers=self.data.loader_workers,
+            collate_fn=_unchanged,
+            generator=torch.Generator().manual_seed(derived_seeds(*key)[0]),
+        )
