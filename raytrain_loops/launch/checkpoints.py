@@ -11,7 +11,7 @@ from typing import Any
 import ray
 import ray.train
 
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine import checkpoint as ckpt_files
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.launch import storage
@@ -80,17 +80,41 @@ class RayReporter:
 
         The candidates are every checkpoint directory of the run, newest first: the one Ray
         registered last, and any newer one a failed attempt finished writing before Ray had
-        registered it (reports are asynchronous). A damaged one is skipped with a warning for the
-        one before it. Every worker reads the same files, so all pick the same checkpoint.
+        registered it (reports are asynchronous). See :meth:`restore_from`.
         """
-        paths = [p for p in storage.list_dirs(self.run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
         latest = ray.train.get_checkpoint()
-        if latest is not None and os.path.basename(latest.path.rstrip("/")) not in map(os.path.basename, paths):
-            paths.append(latest.path)
-        paths.sort(key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
-        if not paths:
-            return self._load(ray.train.Checkpoint(init_checkpoint), skipped=[]) if init_checkpoint else None
+        return self.restore_from(candidates(self.run_dir, latest.path if latest else None), init_checkpoint)
+
+    def restore_from(self, paths: list[str], init_checkpoint: str | None = None) -> Position | None:
+        """Load the first intact checkpoint of ``paths`` (newest first), else ``init_checkpoint``,
+        else nothing (a start from step 0); then check that every worker loaded the same.
+
+        Only damage (:class:`~raytrain_loops.engine.checkpoint.CheckpointError`) moves on to the
+        one before; any other error while reading (out of memory, an I/O error) stops the
+        restore on every worker. When every checkpoint is damaged (a first upload cut off by a
+        preemption), the run starts again from the beginning, and ``loaded`` says so.
+        """
         skipped: list[dict[str, str]] = []
+        position, failure = None, None
+        try:
+            position = self._first_intact(paths, skipped)
+            if position is None and paths and self.rank == 0:
+                start = f"from {init_checkpoint}" if init_checkpoint else "from the beginning"
+                print(
+                    f"warning: no intact checkpoint in {self.run_dir} ({len(skipped)} damaged); starting {start}",
+                    flush=True,
+                )
+            if position is None and init_checkpoint:
+                position = self._load(ray.train.Checkpoint(init_checkpoint), skipped)
+        except Exception as err:  # every worker learns of it below, instead of waiting on the others
+            failure = err
+        if position is None and failure is None and skipped:
+            self.loaded = {"checkpoint": None, "model_sha256": None, "world_size": self.world, "skipped": skipped}
+            self.loaded["started_fresh"] = True
+        agree(self.loaded, self.rank, failure)
+        return position
+
+    def _first_intact(self, paths: list[str], skipped: list[dict[str, str]]) -> Position | None:
         for path in paths:
             try:
                 return self._load(ray.train.Checkpoint(path), skipped)
@@ -98,7 +122,7 @@ class RayReporter:
                 if self.rank == 0:
                     print(f"warning: checkpoint {path} is unusable, trying the one before: {err}", flush=True)
                 skipped.append({"checkpoint": path, "reason": str(err)})
-        raise ckpt_files.CheckpointError(f"no intact checkpoint in {self.run_dir}; the newest: {skipped[0]['reason']}")
+        return None
 
     def _load(self, checkpoint, skipped: list[dict[str, str]]) -> Position:
         with checkpoint.as_directory() as d:
@@ -116,3 +140,42 @@ class RayReporter:
         }
         batches = mine["data"]["batches"]
         return Position(int(mine["data"]["epoch"]), batches * world // self.world if world != self.world else batches)
+
+
+class RestoreMismatch(RuntimeError):
+    """The workers of a group did not all load the same checkpoint, or one of them failed to."""
+
+
+def candidates(run_dir: str, registered: str | None) -> list[str]:
+    """The run's checkpoint directories, newest first, with ``registered`` (the one Ray holds)
+    among them even when the listing does not show it."""
+    paths = [p for p in storage.list_dirs(run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
+    if registered is not None and os.path.basename(registered.rstrip("/")) not in map(os.path.basename, paths):
+        paths.append(registered)
+    return sorted(paths, key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
+
+
+def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | None = None) -> None:
+    """Check, across the process group (when one is running), that every worker restored the
+    same checkpoint with the same weights; raise :class:`RestoreMismatch` naming each worker's
+    (checkpoint, step, weights digest) when not. A worker whose own restore failed (``failure``)
+    re-raises its error; the others raise naming it, instead of training on without it."""
+    name = os.path.basename(loaded["checkpoint"].rstrip("/")) if loaded and loaded["checkpoint"] else None
+    mine = {
+        "checkpoint": name,
+        "step": ckpt_files.step_of(name) if name else 0,
+        "model_sha256": loaded["model_sha256"] if loaded else None,
+        "error": f"{type(failure).__name__}: {failure}" if failure else None,
+    }
+    everyone = dist.all_gather_object(mine)
+    if failure is not None:
+        raise failure
+    failed = {r: o["error"] for r, o in enumerate(everyone) if o["error"]}
+    if failed:
+        raise RestoreMismatch(f"worker(s) failed to restore a checkpoint: {failed}")
+    views = [tuple(o[k] for k in ("checkpoint", "step", "model_sha256")) for o in everyone]
+    if len(set(views)) > 1:
+        detail = "; ".join(f"worker {r}: {v}" for r, v in enumerate(views))
+        raise RestoreMismatch(
+            f"the workers restored different checkpoints (checkpoint, step, weights digest): {detail}"
+        )
