@@ -146,6 +146,11 @@ class RunConfig:
     max_failures: int = opt(0, "Worker-group restarts Ray may make after failures.")
     report_every_steps: int = opt(50, "Report metrics to Ray every this many steps (a report costs up to ~2 s).")
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
+    allow_config_change: bool = opt(
+        False,
+        "Resume a run directory whose config.yaml differs in more than scaling, run, logging and the run's "
+        "length (its checkpoints hold the state of the old config); refused when false.",
+    )
 
     def __post_init__(self) -> None:
         import re

@@ -3,7 +3,6 @@ run's newest intact checkpoint. The files themselves are :mod:`raytrain_loops.en
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import Any
@@ -15,6 +14,7 @@ from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine import checkpoint as ckpt_files
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.rundir import checkpoint_dirs
 
 
 class RayReporter:
@@ -149,10 +149,11 @@ class RestoreMismatch(RuntimeError):
 def candidates(run_dir: str, registered: str | None) -> list[str]:
     """The run's checkpoint directories, newest first, with ``registered`` (the one Ray holds)
     among them even when the listing does not show it."""
-    paths = [p for p in storage.list_dirs(run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
-    if registered is not None and os.path.basename(registered.rstrip("/")) not in map(os.path.basename, paths):
-        paths.append(registered)
-    return sorted(paths, key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
+    paths = checkpoint_dirs(run_dir)
+    if registered is not None and storage.name(registered) not in map(storage.name, paths):
+        # Ray's path is one on its file system (no scheme for a bucket): name it in the run's terms.
+        paths.append(storage.join(run_dir, storage.name(registered)))
+    return sorted(paths, key=lambda p: ckpt_files.order_key(storage.name(p)), reverse=True)
 
 
 def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | None = None) -> None:
@@ -160,7 +161,7 @@ def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | Non
     same checkpoint with the same weights; raise :class:`RestoreMismatch` naming each worker's
     (checkpoint, step, weights digest) when not. A worker whose own restore failed (``failure``)
     re-raises its error; the others raise naming it, instead of training on without it."""
-    name = os.path.basename(loaded["checkpoint"].rstrip("/")) if loaded and loaded["checkpoint"] else None
+    name = storage.name(loaded["checkpoint"]) if loaded and loaded["checkpoint"] else None
     mine = {
         "checkpoint": name,
         "step": ckpt_files.step_of(name) if name else 0,
