@@ -94,8 +94,10 @@ class CheckpointConfig:
     """Checkpoint cadence and retention."""
 
     every_steps: int = opt(0, "Checkpoint every this many steps; 0: at the end of every epoch. Always at the end.")
-    keep: int = opt(2, "Checkpoints kept (the newest, or the best by score_metric; the newest always); 0: all.")
-    score_metric: str = opt("", "Keep the best checkpoints by this reported metric instead of the newest.")
+    keep: int = opt(2, "The newest checkpoints kept (and as many best ones with score_metric); 0: all.")
+    score_metric: str = opt(
+        "", "Also keep the best `keep` checkpoints by this reported metric, in best/ (best.json ranks them)."
+    )
     score_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower score_metric is better.")
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -141,3 +142,37 @@ def download_dir(src: str, local: str) -> str:
     os.makedirs(local, exist_ok=True)
     pafs.copy_files(root, local, source_filesystem=fs)
     return local
+
+
+def copy_tree(src: str, dest: str) -> None:
+    """Copy the files under ``src`` to ``dest`` (both local, or both on one object store): hard
+    links on a local file system (no bytes copied), server-side copies on an object store."""
+    if not is_uri(src):
+        for root, _, files in os.walk(src):
+            target = os.path.join(dest, os.path.relpath(root, src))
+            os.makedirs(target, exist_ok=True)
+            for f in files:
+                try:
+                    os.link(os.path.join(root, f), os.path.join(target, f))
+                except FileExistsError:
+                    pass
+                except OSError:  # another device, or no hard links there
+                    shutil.copy2(os.path.join(root, f), os.path.join(target, f))
+        return
+    import pyarrow.fs as pafs
+
+    fs, src_root = _fs(src)
+    dest_root = _fs(dest)[1]
+    for info in fs.get_file_info(pafs.FileSelector(src_root, recursive=True)):
+        if info.type == pafs.FileType.File:
+            fs.copy_file(info.path, dest_root + info.path[len(src_root) :])
+
+
+def delete_tree(path: str) -> None:
+    """Remove a directory and its files (local or URI); nothing if it is not there."""
+    if not is_uri(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    if exists(path):
+        fs, p = _fs(path)
+        fs.delete_dir(p)
