@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from typing import Any
 
 import ray
@@ -54,7 +53,7 @@ class RayReporter:
         if checkpoint is None:
             ray.train.report(metrics, checkpoint_upload_mode=async_mode)
             return
-        tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+        tmp = storage.scratch_dir("ckpt")
         try:
             state = self.engine.state_dict()
             mine = {

@@ -77,7 +77,7 @@ class RunLock:
         age = time.time() - holder["time"]
         if age > self.stale_after_s:
             return f"its heartbeat is {age:.0f}s old (pid {holder['pid']} on {holder['host']})"
-        if holder["host"] == socket.gethostname() and not _alive(holder["pid"]):
+        if holder["host"] == socket.gethostname() and not storage.pid_alive(holder["pid"]):
             return f"its driver (pid {holder['pid']}) is gone"
         return None
 
@@ -110,16 +110,6 @@ def _parse(text: str | None) -> dict[str, Any] | None:
         return {"host": str(data["host"]), "pid": int(data["pid"]), "time": float(data["time"]), **data}
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:

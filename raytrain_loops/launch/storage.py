@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -43,19 +44,7 @@ def upload_dir(local: str, dest: str) -> None:
 
 def write_text(dest: str, text: str) -> None:
     """Write a small text file to a local path or a URI."""
-    if is_uri(dest):
-        import pyarrow.fs as pafs
-
-        fs, path = pafs.FileSystem.from_uri(dest)
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(path) as f:
-            f.write(text.encode())
-        return
-    p = Path(dest)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    write_bytes(dest, text.encode())
 
 
 def exists(path: str) -> bool:
@@ -176,3 +165,46 @@ def delete_tree(path: str) -> None:
     if exists(path):
         fs, p = _fs(path)
         fs.delete_dir(p)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def scratch_root() -> str:
+    return os.path.join(tempfile.gettempdir(), "raytrain_loops-scratch")
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new local temporary directory for this process (``<pid>-<prefix>-...``), for files on
+    their way to a remote run directory. The directories of processes that are gone (a worker
+    killed before it could clean up) are removed first."""
+    root = scratch_root()
+    os.makedirs(root, exist_ok=True)
+    for entry in os.listdir(root):
+        pid = entry.split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-{prefix}-", dir=root)
+
+
+def write_bytes(dest: str, data: bytes) -> None:
+    """Write a file's bytes to a local path or a URI."""
+    if is_uri(dest):
+        fs, path = _fs(dest)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    p = Path(dest)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, p)
