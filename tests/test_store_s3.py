@@ -157,3 +157,39 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
     assert yaml.safe_load(storage.read_text(storage.join(sweep_dir, "best.yaml")))["schedules"]["lr"]["value"] == 0.01
     assert "trial_00001" in storage.read_text(storage.join(sweep_dir, "results.csv"))
     assert not any(Path(tmp_path).iterdir())  # nothing written to a local directory named "s3:"
+
+
+@pytest.mark.ray
+def test_a_run_in_a_bucket_survives_a_killed_worker_keeps_its_log_and_is_not_rerun(ray_session, s3_root):
+    from examples.custom_task import CONFIG, SpiralTask
+    from raytrain_loops import fit
+
+    config = {
+        **CONFIG,
+        "loop": {"max_steps": 12},
+        "eval": {"every_steps": 4},
+        "checkpoint": {"every_steps": 4, "keep": 2, "score_metric": "eval_accuracy"},
+        "run": {"name": "in-a-bucket", "storage_path": s3_root, "progress": False, "max_failures": 1},
+        "fault": {"plan": [{"step": 6, "rank": 0, "kind": "kill"}]},  # rank 0 writes the run log
+    }
+    result = fit(config, task=SpiralTask())  # Ray Train's storage_path is the same URI
+    run = storage.join(s3_root, "in-a-bucket")
+    assert result.metrics["step"] == 12 and storage.name(result.checkpoint) == "checkpoint_00000012"
+    files = _files(run)
+    assert "faults/0.fired" in files  # the kill happened
+    # The log holds both attempts: 1-4 uploaded with checkpoint 4, then 5-12 after the restart.
+    steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert steps == list(range(1, 13))
+    assert storage.name(json.loads(storage.read_text(storage.join(run, "init.json")))["checkpoint"]) == (
+        "checkpoint_00000004"
+    )
+    best = json.loads(storage.read_text(storage.join(run, "best", "best.json")))
+    assert len(best) == 2 and all(f"best/{e['checkpoint']}/state.pt" in files for e in best)
+    # The newest and the one before (4 too, when the kill came before Ray had registered it).
+    assert {n.split("/")[0] for n in files if n.startswith("checkpoint_0")} >= {
+        "checkpoint_00000008",
+        "checkpoint_00000012",
+    }
+
+    again = fit(config, task=SpiralTask())  # finished: nothing trained, nothing written
+    assert again.metrics == result.metrics and _files(run) == files
