@@ -214,8 +214,13 @@ class KeepBest(UserCallback):
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if checkpoint is None:
             return
-        name = storage.name(checkpoint.path)
-        score = metrics[0].get(self.metric) if metrics else None
+        try:
+            self._rank(metrics[0] if metrics else {}, storage.name(checkpoint.path))
+        except Exception as err:  # the best copies are a convenience: a storage hiccup must not end the run
+            print(f"warning: could not update {storage.join(self.run_dir, BEST)}: {err}", flush=True)
+
+    def _rank(self, metrics: dict[str, Any], name: str) -> None:
+        score = metrics.get(self.metric)
         index = storage.join(self.run_dir, BEST, "best.json")
         before = json.loads(storage.read_text(index) or "[]")
         entry = {"checkpoint": name, "step": ckpt_files.step_of(name), "score": score}
