@@ -9,6 +9,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The object-store tests talk to a local S3 API (tests/test_store_s3.py). pyarrow's S3 client signs its
+# requests, here and in Ray's workers, which take the environment of the process that starts
+# the session's Ray: set before any test runs.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
 
 @pytest.fixture(scope="session")
 def ray_session():

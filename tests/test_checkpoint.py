@@ -3,6 +3,7 @@ a run name what went wrong."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -132,3 +133,41 @@ def test_a_checkpoint_records_who_wrote_it(tmp_path):
     _write(tmp_path, world=3)
     manifest = json.loads((tmp_path / "manifest.rank2.json").read_text())
     assert manifest["world_size"] == 3 and manifest["rank"] == 2 and set(manifest["files"]) == {"rank2.pt"}
+
+
+def _rewrite_manifest(d, rank, change):
+    path = d / f"manifest.rank{rank}.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../outside.pt", "ABSOLUTE", "sub/../../outside.pt"])
+def test_a_manifest_naming_a_file_outside_its_directory_is_damage(tmp_path, name):
+    d = tmp_path / "ckpt"
+    _write(d, world=1)
+    (d / "sub").mkdir()
+    name = str(tmp_path / "outside.pt") if name == "ABSOLUTE" else name
+    outside = tmp_path / "outside.pt"  # every name above points at it
+    outside.write_bytes(b"a file that matches its manifest entry")
+    entry = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    _rewrite_manifest(d, 0, lambda m: m["files"].update({name: entry}))
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"file name {name!r} points outside the checkpoint")):
+        ckpt.verify(d)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda m: m.update(world_size=0), "world_size must be at least 1; got 0"),
+        (lambda m: m.update(world_size=-2), "world_size must be at least 1; got -2"),
+        (lambda m: m["files"]["rank0.pt"].pop("sha256"), "unreadable manifest (KeyError"),
+        (lambda m: m["files"].update({"rank0.pt": 7}), "unreadable manifest (TypeError"),
+    ],
+    ids=["world 0", "world negative", "no checksum", "entry not a mapping"],
+)
+def test_a_manifest_with_impossible_values_is_damage(tmp_path, change, message):
+    _write(tmp_path, world=1)
+    _rewrite_manifest(tmp_path, 0, change)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(message)):
+        ckpt.verify(tmp_path)

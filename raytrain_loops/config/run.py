@@ -96,8 +96,10 @@ class CheckpointConfig:
     """Checkpoint cadence and retention."""
 
     every_steps: int = opt(0, "Checkpoint every this many steps; 0: at the end of every epoch. Always at the end.")
-    keep: int = opt(2, "Checkpoints kept (the newest, or the best by score_metric; the newest always); 0: all.")
-    score_metric: str = opt("", "Keep the best checkpoints by this reported metric instead of the newest.")
+    keep: int = opt(2, "The newest checkpoints kept (and as many best ones with score_metric); 0: all.")
+    score_metric: str = opt(
+        "", "Also keep the best `keep` checkpoints by this reported metric, in best/ (best.json ranks them)."
+    )
     score_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower score_metric is better.")
 
     def __post_init__(self) -> None:
@@ -148,6 +150,11 @@ class RunConfig:
     max_failures: int = opt(0, "Worker-group restarts Ray may make after failures.")
     report_every_steps: int = opt(50, "Report metrics to Ray every this many steps (a report costs up to ~2 s).")
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
+    allow_config_change: bool = opt(
+        False,
+        "Resume a run directory whose config.yaml differs in more than scaling, run, logging and the run's "
+        "length (its checkpoints hold the state of the old config); refused when false.",
+    )
 
     def __post_init__(self) -> None:
         import re

@@ -8,11 +8,13 @@ complete when every rank's manifest is there and every listed file matches it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -72,9 +74,23 @@ def _manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.parent}: no {path.name} (an interrupted write?)")
     try:
         data = json.loads(path.read_text())
-        return {"world_size": int(data["world_size"]), "files": dict(data["files"])}
-    except (ValueError, KeyError, TypeError) as err:
+        world_size = int(data["world_size"])
+        files = {name: {"bytes": int(m["bytes"]), "sha256": str(m["sha256"])} for name, m in data["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{path}: unreadable manifest ({type(err).__name__}: {err})") from None
+    if world_size < 1:
+        raise CheckpointError(f"{path}: world_size must be at least 1; got {world_size}")
+    for name in files:
+        _check_name(path, name)
+    return {"world_size": world_size, "files": files}
+
+
+def _check_name(manifest: Path, name: str) -> None:
+    """A listed file must lie in the checkpoint directory: a manifest is data read from storage,
+    and a name such as ``../x`` would have verification read (and trust) a file elsewhere."""
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or PurePosixPath(name).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise CheckpointError(f"{manifest}: file name {name!r} points outside the checkpoint directory")
 
 
 def verify(directory: str | Path) -> int:
@@ -105,12 +121,36 @@ def order_key(name: str) -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2) or 1)) if match else (-1, 0)
 
 
+# What torch.load raises for a file that is not a whole checkpoint file: a pickle that
+# weights_only refuses, a cut-off stream, a zip archive with pieces missing.
+_DAMAGE = (pickle.UnpicklingError, EOFError, ValueError)
+_DAMAGE_MESSAGES = ("PytorchStreamReader", "zip archive")
+
+
+def _is_damage(err: BaseException) -> bool:
+    if isinstance(err, (FileNotFoundError, *_DAMAGE)):
+        return True
+    if isinstance(err, RuntimeError):
+        return any(m in str(err) for m in _DAMAGE_MESSAGES)
+    # The zip reader seeks past the end of a file cut short (EINVAL); a failing device or
+    # network reports EIO, ETIMEDOUT and the like, which are no proof of damage.
+    return isinstance(err, OSError) and err.errno == errno.EINVAL
+
+
 def read_file(directory: str | Path, name: str) -> Any:
-    """Load one checkpoint file with ``weights_only=True``: tensors and plain containers only."""
+    """Load one checkpoint file with ``weights_only=True``: tensors and plain containers only.
+
+    Raises :class:`CheckpointError` when the file is damaged (missing, cut off, not a
+    checkpoint file, or a pickle that would run code). Any other failure (out of memory, an I/O
+    error) propagates as it is: it says nothing about the checkpoint, and a caller must not take
+    an older checkpoint because of it."""
     path = Path(directory) / name
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except Exception as err:  # weights_only refuses anything that would run code
-        raise CheckpointError(f"{path}: refused or unreadable ({type(err).__name__}: {err})") from None
+    except Exception as err:
+        if not _is_damage(err):
+            raise
+        what = (
+            "missing" if isinstance(err, FileNotFoundError) else f"refused or unreadable ({type(err).__name__}: {err})"
+        )
+        raise CheckpointError(f"{path}: {what}") from None

@@ -3,18 +3,20 @@ run's newest intact checkpoint. The files themselves are :mod:`raytrain_loops.en
 
 from __future__ import annotations
 
-import os
+import json
+import math
 import shutil
-import tempfile
 from typing import Any
 
 import ray
 import ray.train
+from ray.train.v2.api.callback import UserCallback
 
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine import checkpoint as ckpt_files
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.rundir import checkpoint_dirs
 
 
 class RayReporter:
@@ -51,7 +53,7 @@ class RayReporter:
         if checkpoint is None:
             ray.train.report(metrics, checkpoint_upload_mode=async_mode)
             return
-        tmp = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+        tmp = storage.scratch_dir("ckpt")
         try:
             state = self.engine.state_dict()
             mine = {
@@ -80,17 +82,41 @@ class RayReporter:
 
         The candidates are every checkpoint directory of the run, newest first: the one Ray
         registered last, and any newer one a failed attempt finished writing before Ray had
-        registered it (reports are asynchronous). A damaged one is skipped with a warning for the
-        one before it. Every worker reads the same files, so all pick the same checkpoint.
+        registered it (reports are asynchronous). See :meth:`restore_from`.
         """
-        paths = [p for p in storage.list_dirs(self.run_dir) if ckpt_files.step_of(os.path.basename(p)) >= 0]
         latest = ray.train.get_checkpoint()
-        if latest is not None and os.path.basename(latest.path.rstrip("/")) not in map(os.path.basename, paths):
-            paths.append(latest.path)
-        paths.sort(key=lambda p: ckpt_files.order_key(os.path.basename(p.rstrip("/"))), reverse=True)
-        if not paths:
-            return self._load(ray.train.Checkpoint(init_checkpoint), skipped=[]) if init_checkpoint else None
+        return self.restore_from(candidates(self.run_dir, latest.path if latest else None), init_checkpoint)
+
+    def restore_from(self, paths: list[str], init_checkpoint: str | None = None) -> Position | None:
+        """Load the first intact checkpoint of ``paths`` (newest first), else ``init_checkpoint``,
+        else nothing (a start from step 0); then check that every worker loaded the same.
+
+        Only damage (:class:`~raytrain_loops.engine.checkpoint.CheckpointError`) moves on to the
+        one before; any other error while reading (out of memory, an I/O error) stops the
+        restore on every worker. When every checkpoint is damaged (a first upload cut off by a
+        preemption), the run starts again from the beginning, and ``loaded`` says so.
+        """
         skipped: list[dict[str, str]] = []
+        position, failure = None, None
+        try:
+            position = self._first_intact(paths, skipped)
+            if position is None and paths and self.rank == 0:
+                start = f"from {init_checkpoint}" if init_checkpoint else "from the beginning"
+                print(
+                    f"warning: no intact checkpoint in {self.run_dir} ({len(skipped)} damaged); starting {start}",
+                    flush=True,
+                )
+            if position is None and init_checkpoint:
+                position = self._load(ray.train.Checkpoint(init_checkpoint), skipped)
+        except Exception as err:  # every worker learns of it below, instead of waiting on the others
+            failure = err
+        if position is None and failure is None and skipped:
+            self.loaded = {"checkpoint": None, "model_sha256": None, "world_size": self.world, "skipped": skipped}
+            self.loaded["started_fresh"] = True
+        agree(self.loaded, self.rank, failure)
+        return position
+
+    def _first_intact(self, paths: list[str], skipped: list[dict[str, str]]) -> Position | None:
         for path in paths:
             try:
                 return self._load(ray.train.Checkpoint(path), skipped)
@@ -98,7 +124,7 @@ class RayReporter:
                 if self.rank == 0:
                     print(f"warning: checkpoint {path} is unusable, trying the one before: {err}", flush=True)
                 skipped.append({"checkpoint": path, "reason": str(err)})
-        raise ckpt_files.CheckpointError(f"no intact checkpoint in {self.run_dir}; the newest: {skipped[0]['reason']}")
+        return None
 
     def _load(self, checkpoint, skipped: list[dict[str, str]]) -> Position:
         with checkpoint.as_directory() as d:
@@ -116,3 +142,96 @@ class RayReporter:
         }
         batches = mine["data"]["batches"]
         return Position(int(mine["data"]["epoch"]), batches * world // self.world if world != self.world else batches)
+
+
+class RestoreMismatch(RuntimeError):
+    """The workers of a group did not all load the same checkpoint, or one of them failed to."""
+
+
+def candidates(run_dir: str, registered: str | None) -> list[str]:
+    """The run's checkpoint directories, newest first, with ``registered`` (the one Ray holds)
+    among them even when the listing does not show it."""
+    paths = checkpoint_dirs(run_dir)
+    if registered is not None and storage.name(registered) not in map(storage.name, paths):
+        # Ray's path is one on its file system (no scheme for a bucket): name it in the run's terms.
+        paths.append(storage.join(run_dir, storage.name(registered)))
+    return sorted(paths, key=lambda p: ckpt_files.order_key(storage.name(p)), reverse=True)
+
+
+def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | None = None) -> None:
+    """Check, across the process group (when one is running), that every worker restored the
+    same checkpoint with the same weights; raise :class:`RestoreMismatch` naming each worker's
+    (checkpoint, step, weights digest) when not. A worker whose own restore failed (``failure``)
+    re-raises its error; the others raise naming it, instead of training on without it."""
+    name = storage.name(loaded["checkpoint"]) if loaded and loaded["checkpoint"] else None
+    mine = {
+        "checkpoint": name,
+        "step": ckpt_files.step_of(name) if name else 0,
+        "model_sha256": loaded["model_sha256"] if loaded else None,
+        "error": f"{type(failure).__name__}: {failure}" if failure else None,
+    }
+    everyone = dist.all_gather_object(mine)
+    if failure is not None:
+        raise failure
+    failed = {r: o["error"] for r, o in enumerate(everyone) if o["error"]}
+    if failed:
+        raise RestoreMismatch(f"worker(s) failed to restore a checkpoint: {failed}")
+    views = [tuple(o[k] for k in ("checkpoint", "step", "model_sha256")) for o in everyone]
+    if len(set(views)) > 1:
+        detail = "; ".join(f"worker {r}: {v}" for r, v in enumerate(views))
+        raise RestoreMismatch(
+            f"the workers restored different checkpoints (checkpoint, step, weights digest): {detail}"
+        )
+
+
+BEST = "best"
+
+
+def ranked(entries: list[dict[str, Any]], mode: str, k: int | None) -> list[dict[str, Any]]:
+    """The best ``k`` (all when None) of ``entries`` ({checkpoint, step, score}), best first;
+    of equal scores the newer first. An entry without a numeric score (the metric was not
+    reported yet, or is NaN) is never among them."""
+    scored = [e for e in entries if isinstance(e["score"], int | float) and not math.isnan(e["score"])]
+    sign = -1.0 if mode == "max" else 1.0
+    scored.sort(key=lambda e: (sign * e["score"], -ckpt_files.order_key(e["checkpoint"])[0], e["checkpoint"]))
+    return scored if k is None else scored[:k]
+
+
+class KeepBest(UserCallback):
+    """Keeps the best checkpoints by ``checkpoint.score_metric`` in ``<run>/best/``.
+
+    Ray's own retention stays by recency, so the newest checkpoint and the one before it (the
+    fallback when the newest is damaged) are always there. After each checkpoint Ray registers
+    (in the Train controller), this ranks it by the metric of the same report and, when it is
+    among the best ``keep``, links (a local run) or copies (an object store, server side) it to
+    ``best/<name>``, dropping the copy that fell out. ``best/best.json`` lists them, best first.
+    With ``keep=0`` every checkpoint stays where it is and ``best.json`` ranks them in place.
+    """
+
+    def __init__(self, run_dir: str, metric: str, mode: str, keep: int):
+        self.run_dir, self.metric, self.mode, self.keep = run_dir, metric, mode, keep or None
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if checkpoint is None:
+            return
+        try:
+            self._rank(metrics[0] if metrics else {}, storage.name(checkpoint.path))
+        except Exception as err:  # the best copies are a convenience: a storage hiccup must not end the run
+            print(f"warning: could not update {storage.join(self.run_dir, BEST)}: {err}", flush=True)
+
+    def _rank(self, metrics: dict[str, Any], name: str) -> None:
+        score = metrics.get(self.metric)
+        index = storage.join(self.run_dir, BEST, "best.json")
+        before = json.loads(storage.read_text(index) or "[]")
+        entry = {"checkpoint": name, "step": ckpt_files.step_of(name), "score": score}
+        best = ranked([e for e in before if e["checkpoint"] != name] + [entry], self.mode, self.keep)
+        if self.keep is not None:
+            kept = {e["checkpoint"] for e in best}
+            if name in kept:
+                storage.copy_tree(storage.join(self.run_dir, name), storage.join(self.run_dir, BEST, name))
+            for old in before:
+                if old["checkpoint"] not in kept:
+                    storage.delete_tree(storage.join(self.run_dir, BEST, old["checkpoint"]))
+        for e in best:
+            e["path"] = storage.join(self.run_dir, *([BEST] if self.keep else []), e["checkpoint"])
+        storage.write_text(index, json.dumps(best, indent=1) + "\n")

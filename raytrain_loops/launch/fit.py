@@ -17,6 +17,7 @@ from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.errors import raise_if_stopped
+from raytrain_loops.launch.rundir import Finished, RunLock, check_config, finished, record_changes
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -36,11 +37,14 @@ class FitResult:
 
 def run_name(config: Config, task: Task) -> str:
     """The run's name: ``run.name``, or the task's class name and a hash of everything that
-    shapes the result, so the same command maps to the same run directory."""
+    shapes the result, so the same command maps to the same run directory. The run's length is
+    part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
+    same directory, continued)."""
     if config.run.name:
         return config.run.name
     data = config.to_dict()
-    data["run"] = {k: v for k, v in data["run"].items() if k not in ("storage_path", "progress")}
+    ignored = ("storage_path", "progress", "allow_config_change")
+    data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
@@ -172,9 +176,27 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
     run_dir = storage.join(config.run.storage_path, name)
-    storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
     print(f"run directory: {run_dir}", flush=True)
+    with RunLock(run_dir):
+        changes = check_config(run_dir, config)
+        done = finished(run_dir, planned_steps(config, splits, rows))
+        if done is not None:
+            return _finished_result(run_dir, done)
+        storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+        record_changes(run_dir, changes, config.run.allow_config_change)
+        return _train(config, task, splits, rows, name, run_dir)
 
+
+def _finished_result(run_dir: str, done: Finished) -> FitResult:
+    """What a rerun of a finished run returns: its summary, unchanged, and nothing trained."""
+    metrics = done.summary.get("metrics", {})
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, int | float))
+    print(f"the run already finished at step {metrics.get('step')}: {shown}", flush=True)
+    wall = float(done.summary.get("wall_time_s", 0.0))
+    return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
+
+
+def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int], name: str, run_dir: str):
     start = time.time()
     ensure_ray(config)
     from raytrain_loops.launch.trainer import build_trainer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import shutil
 import time
 from datetime import timedelta
 
@@ -31,8 +31,11 @@ class RunLog(Callback):
         if not self.enabled:
             return
         self.run_dir = run_dir
-        self.local_dir = tempfile.mkdtemp(prefix="raytrain-log-") if storage.is_uri(run_dir) else run_dir
+        self.remote = storage.is_uri(run_dir)
+        self.local_dir = storage.scratch_dir("log") if self.remote else run_dir
         os.makedirs(self.local_dir, exist_ok=True)
+        if self.remote:
+            self._continue_remote_logs()
         # Held open for the whole run (one line per step) and closed in close().
         self._steps = open(os.path.join(self.local_dir, "metrics.jsonl"), "a")  # noqa: SIM115
         self._evals = open(os.path.join(self.local_dir, "eval.jsonl"), "a")  # noqa: SIM115
@@ -41,6 +44,16 @@ class RunLog(Callback):
         self._tb = SummaryWriter(os.path.join(self.local_dir, "tb"))
         self._t0 = time.perf_counter()
         self._start_step = start_step
+
+    def _continue_remote_logs(self) -> None:
+        """Start from the lines an earlier attempt (or run) uploaded, so that the upload at the
+        next checkpoint extends the run's log instead of replacing it (as a local run directory's
+        files are appended to)."""
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            text = storage.read_text(storage.join(self.run_dir, name))
+            if text:
+                with open(os.path.join(self.local_dir, name), "w") as f:
+                    f.write(text)
 
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         if not self.enabled:
@@ -107,3 +120,6 @@ class RunLog(Callback):
         self._steps.close()
         self._evals.close()
         self._tb.close()
+        if self.remote:
+            storage.upload_dir(self.local_dir, self.run_dir)  # the events the writer flushed on close
+            shutil.rmtree(self.local_dir, ignore_errors=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -10,10 +12,23 @@ def is_uri(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+def _split(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a?endpoint_override=host:port`` -> (``s3://bucket/a``, ``?endpoint_override=...``):
+    the options pyarrow reads from the query stay at the end of every path made from it."""
+    base, sep, query = uri.partition("?")
+    return base, sep + query
+
+
 def join(base: str, *parts: str) -> str:
     if is_uri(base):
-        return "/".join([base.rstrip("/"), *parts])
+        path, query = _split(base)
+        return "/".join([path.rstrip("/"), *parts]) + query
     return str(Path(base).expanduser().resolve().joinpath(*parts))
+
+
+def name(path: str) -> str:
+    """The last component of a local path or a URI (its query left out)."""
+    return os.path.basename((_split(path)[0] if is_uri(path) else path).rstrip("/"))
 
 
 def upload_dir(local: str, dest: str) -> None:
@@ -29,19 +44,7 @@ def upload_dir(local: str, dest: str) -> None:
 
 def write_text(dest: str, text: str) -> None:
     """Write a small text file to a local path or a URI."""
-    if is_uri(dest):
-        import pyarrow.fs as pafs
-
-        fs, path = pafs.FileSystem.from_uri(dest)
-        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(path) as f:
-            f.write(text.encode())
-        return
-    p = Path(dest)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    write_bytes(dest, text.encode())
 
 
 def exists(path: str) -> bool:
@@ -59,9 +62,149 @@ def list_dirs(base: str) -> list[str]:
         import pyarrow.fs as pafs
 
         fs, root = pafs.FileSystem.from_uri(base)
-        scheme = base.split("://", 1)[0]
         infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-        return [f"{scheme}://{i.path}" for i in infos if i.type == pafs.FileType.Directory]
+        return [join(base, i.base_name) for i in infos if i.type == pafs.FileType.Directory]
     if not os.path.isdir(base):
         return []
     return [os.path.join(base, n) for n in os.listdir(base) if os.path.isdir(os.path.join(base, n))]
+
+
+def _fs(path: str):
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(path)
+
+
+def read_text(path: str) -> str | None:
+    """A small text file's contents from a local path or a URI; None if there is none."""
+    if is_uri(path):
+        if not exists(path):
+            return None
+        fs, p = _fs(path)
+        with fs.open_input_stream(p) as f:
+            return f.read().decode()
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def delete(path: str) -> None:
+    """Remove a file (local or URI); nothing if it is not there."""
+    if is_uri(path):
+        if exists(path):
+            fs, p = _fs(path)
+            fs.delete_file(p)
+        return
+    Path(path).unlink(missing_ok=True)
+
+
+def create_exclusive(path: str, text: str) -> bool:
+    """Create ``path`` holding ``text`` unless it exists; whether this call created it.
+
+    Atomic on a local file system (``O_EXCL``). An object store has no create-if-absent here:
+    the file is written when absent and read back, so of two writers racing within the same
+    moment both may believe they won; one that comes later is refused."""
+    if is_uri(path):
+        if exists(path):
+            return False
+        write_text(path, text)
+        return read_text(path) == text
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
+def download_dir(src: str, local: str) -> str:
+    """A local directory holding the files of ``src``: ``src`` itself when it is local, else a
+    copy in ``local``."""
+    if not is_uri(src):
+        return src
+    import pyarrow.fs as pafs
+
+    fs, root = _fs(src)
+    os.makedirs(local, exist_ok=True)
+    pafs.copy_files(root, local, source_filesystem=fs)
+    return local
+
+
+def copy_tree(src: str, dest: str) -> None:
+    """Copy the files under ``src`` to ``dest`` (both local, or both on one object store): hard
+    links on a local file system (no bytes copied), server-side copies on an object store."""
+    if not is_uri(src):
+        for root, _, files in os.walk(src):
+            target = os.path.join(dest, os.path.relpath(root, src))
+            os.makedirs(target, exist_ok=True)
+            for f in files:
+                try:
+                    os.link(os.path.join(root, f), os.path.join(target, f))
+                except FileExistsError:
+                    pass
+                except OSError:  # another device, or no hard links there
+                    shutil.copy2(os.path.join(root, f), os.path.join(target, f))
+        return
+    import pyarrow.fs as pafs
+
+    fs, src_root = _fs(src)
+    dest_root = _fs(dest)[1]
+    for info in fs.get_file_info(pafs.FileSelector(src_root, recursive=True)):
+        if info.type == pafs.FileType.File:
+            fs.copy_file(info.path, dest_root + info.path[len(src_root) :])
+
+
+def delete_tree(path: str) -> None:
+    """Remove a directory and its files (local or URI); nothing if it is not there."""
+    if not is_uri(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    if exists(path):
+        fs, p = _fs(path)
+        fs.delete_dir(p)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def scratch_root() -> str:
+    return os.path.join(tempfile.gettempdir(), "raytrain_loops-scratch")
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new local temporary directory for this process (``<pid>-<prefix>-...``), for files on
+    their way to a remote run directory. The directories of processes that are gone (a worker
+    killed before it could clean up) are removed first."""
+    root = scratch_root()
+    os.makedirs(root, exist_ok=True)
+    for entry in os.listdir(root):
+        pid = entry.split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-{prefix}-", dir=root)
+
+
+def write_bytes(dest: str, data: bytes) -> None:
+    """Write a file's bytes to a local path or a URI."""
+    if is_uri(dest):
+        fs, path = _fs(dest)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    p = Path(dest)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, p)

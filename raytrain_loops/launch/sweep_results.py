@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import os
+import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ import yaml
 
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
+from raytrain_loops.launch import storage
 
 
 @dataclass
@@ -44,22 +45,21 @@ def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig
             }
         )
     table = pd.DataFrame(rows)
-    os.makedirs(sweep_dir, exist_ok=True)
-    table.to_csv(os.path.join(sweep_dir, "results.csv"), index=False)
+    # Through the storage layer: the sweep directory may be a URI (s3://...), not a local path.
+    storage.write_text(storage.join(sweep_dir, "results.csv"), table.to_csv(index=False))
     print(table.to_string(index=False), flush=True)
     best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
     values = {k: best.config[k] for k in keys}
     # The trial's settings, with the user's run section (name, storage) instead of the trial's.
     recipe = replace(trial_config(base.to_dict(), values), run=user_run).to_dict()
-    Path(sweep_dir, "best.yaml").write_text(
+    best_yaml = storage.join(sweep_dir, "best.yaml")
+    storage.write_text(
+        best_yaml,
         f"# The best trial of the sweep in {sweep_dir} ({sweep.metric} = {best.metrics.get(sweep.metric)}).\n"
-        f"#   raytrain-loops train {os.path.join(sweep_dir, 'best.yaml')}\n" + yaml.safe_dump(recipe, sort_keys=False)
+        f"#   raytrain-loops train {best_yaml}\n" + yaml.safe_dump(recipe, sort_keys=False),
     )
     _plot(results, sweep, sweep_dir)
-    print(
-        f"best: {values} -> {sweep.metric} {best.metrics.get(sweep.metric)}; recipe {os.path.join(sweep_dir, 'best.yaml')}",
-        flush=True,
-    )
+    print(f"best: {values} -> {sweep.metric} {best.metrics.get(sweep.metric)}; recipe {best_yaml}", flush=True)
     return SweepResult(sweep_dir, values, best.metrics.get(sweep.metric), table)
 
 
@@ -78,5 +78,7 @@ def _plot(results, sweep: SweepConfig, sweep_dir: str) -> None:
     if ax.lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(sweep_dir, "metric_per_trial.png"), dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    storage.write_bytes(storage.join(sweep_dir, "metric_per_trial.png"), png.getvalue())

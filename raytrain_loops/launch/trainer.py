@@ -11,6 +11,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_loops.config import Config
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.checkpoints import KeepBest
 from raytrain_loops.launch.worker import WorkerPayload, train_loop_per_worker
 from raytrain_loops.tasks import ParquetSplit, Task
 
@@ -35,6 +36,10 @@ def scaling_config(config: Config) -> ray.train.ScalingConfig:
 
 def run_config(config: Config, name: str, callbacks: list[Any] | None = None) -> ray.train.RunConfig:
     c = config.checkpoint
+    callbacks = list(callbacks or [])
+    if c.score_metric:
+        run_dir = storage.join(config.run.storage_path, name)
+        callbacks.append(KeepBest(run_dir, c.score_metric, c.score_mode, c.keep))
     return ray.train.RunConfig(
         name=name,
         storage_path=config.run.storage_path
@@ -47,12 +52,10 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
             max_failures=config.run.max_failures,
             controller_failure_limit=3 if elastic(config) else 0,
         ),
-        checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=c.keep or None,
-            checkpoint_score_attribute=c.score_metric or None,
-            checkpoint_score_order=c.score_mode,
-        ),
-        callbacks=callbacks,
+        # Ray keeps the newest, so the one before the newest is always there to fall back to
+        # (scored retention could delete it); the best by score_metric are KeepBest's.
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=c.keep or None),
+        callbacks=callbacks or None,
     )
 
 

@@ -262,5 +262,5 @@ def tune(
         print(f"resuming the sweep in {sweep_dir}", flush=True)
         tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
-        tuner = _tuner(trainable, sweep, os.path.basename(sweep_dir), root, planned_steps(base, splits, rows))
+        tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, planned_steps(base, splits, rows))
     return write_outputs(tuner.fit(), sweep, base, config.run, sweep_dir)

@@ -1,0 +1,209 @@
+"""The driver's hold on a run directory, before Ray starts: one driver at a time (a lock file in
+the store), a rerun's config compared with the one the run was started with, and a finished
+run recognised so that running it again trains nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.launch import storage
+
+LOCK = "driver.lock"
+CHANGES = "config_changes.jsonl"
+# What a rerun may change: where and how the run executes, and how long it runs. Everything
+# else shapes the state in the checkpoints (model, optimizer, data, the step's settings).
+RESUMABLE_SECTIONS = ("scaling", "run", "logging")
+RESUMABLE_KEYS = ("loop.max_steps", "loop.epochs")
+
+
+class RunLocked(RuntimeError):
+    """Another driver holds the run directory."""
+
+
+class RunLock:
+    """``driver.lock`` in the run directory: the host, pid and time of the driver running it,
+    refreshed every ``heartbeat_s`` seconds and removed when the driver exits. A lock is stale,
+    and taken over with a warning, when its process is gone (same host) or its heartbeat is
+    older than ``stale_after_s`` (any host)."""
+
+    def __init__(self, run_dir: str, heartbeat_s: float = 30.0, stale_after_s: float = 300.0):
+        self.path = storage.join(run_dir, LOCK)
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> str:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": self.token})
+
+    def acquire(self) -> RunLock:
+        """Take the lock, or raise :class:`RunLocked` naming the driver that holds it."""
+        for _ in range(3):
+            if storage.create_exclusive(self.path, self._body()):
+                self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+                self._thread.start()
+                return self
+            text = storage.read_text(self.path)
+            holder = _parse(text)
+            if text is None:
+                continue  # released in between
+            why = self.stale(holder)
+            if why is None:
+                raise RunLocked(
+                    f"{self.path}: the run is in use by the driver with pid {holder['pid']} on {holder['host']} "
+                    f"(heartbeat {time.time() - holder['time']:.0f}s ago); wait for it to end, or use another run.name"
+                )
+            print(f"warning: taking over {self.path}: {why}", flush=True)
+            if storage.read_text(self.path) == text:  # not taken over by another driver meanwhile
+                storage.delete(self.path)
+        raise RunLocked(f"{self.path}: could not take the lock (other drivers keep taking it)")
+
+    def stale(self, holder: dict[str, Any] | None) -> str | None:
+        """Why the lock ``holder`` describes is stale, or None when its driver may be alive."""
+        if holder is None:
+            return "the lock file is unreadable"
+        age = time.time() - holder["time"]
+        if age > self.stale_after_s:
+            return f"its heartbeat is {age:.0f}s old (pid {holder['pid']} on {holder['host']})"
+        if holder["host"] == socket.gethostname() and not storage.pid_alive(holder["pid"]):
+            return f"its driver (pid {holder['pid']}) is gone"
+        return None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            holder = _parse(storage.read_text(self.path))
+            if holder is None or holder.get("token") != self.token:
+                return  # taken over after a stall longer than the stale limit: not ours to refresh
+            storage.write_text(self.path, self._body())
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock, if it is still this driver's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        holder = _parse(storage.read_text(self.path))
+        if holder is not None and holder.get("token") == self.token:
+            storage.delete(self.path)
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _parse(text: str | None) -> dict[str, Any] | None:
+    try:
+        data = json.loads(text) if text else None
+        return {"host": str(data["host"]), "pid": int(data["pid"]), "time": float(data["time"]), **data}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values (lists are leaves)."""
+    if not isinstance(data, dict) or (prefix and not data):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def resumable(key: str) -> bool:
+    return key.split(".", 1)[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS
+
+
+_ABSENT = "<absent>"
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (old value, new value) for every key whose value differs."""
+    a, b = flatten(old), flatten(new)
+    keys = sorted(set(a) | set(b))
+    return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _shown(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in changes.items())
+
+
+def check_config(run_dir: str, config: Config) -> dict[str, tuple[Any, Any]]:
+    """Compare ``config`` with the ``config.yaml`` of a run directory that holds checkpoints.
+
+    A change to what the checkpoints' state depends on (anything but ``scaling``, ``run``,
+    ``logging`` and the run's length) raises :class:`ConfigError` naming every such key, unless
+    ``run.allow_config_change`` is true. Returns every change (all of them accepted by then);
+    empty for a new run directory.
+    """
+    previous = storage.read_text(storage.join(run_dir, "config.yaml"))
+    if previous is None or not checkpoint_dirs(run_dir):
+        return {}
+    changes = config_changes(yaml.safe_load(previous) or {}, config.to_dict())
+    refused = {k: v for k, v in changes.items() if not resumable(k)}
+    if refused and not config.run.allow_config_change:
+        raise ConfigError(
+            next(iter(refused)),
+            f"the run in {run_dir} was started with another value, and its checkpoints hold the state of that "
+            f"config. Changed: {_shown(refused)}. Use another run.name, or set run.allow_config_change=true to "
+            "resume it with the new values anyway",
+        )
+    return changes
+
+
+def record_changes(run_dir: str, changes: dict[str, tuple[Any, Any]], allowed: bool) -> None:
+    """Print the accepted changes and append them to ``config_changes.jsonl``."""
+    if not changes:
+        return
+    print(f"resuming {run_dir} with a changed config: {_shown(changes)}", flush=True)
+    path = storage.join(run_dir, CHANGES)
+    entry = {
+        "time": time.time(),
+        "changes": {k: {"old": old, "new": new} for k, (old, new) in changes.items()},
+        "allowed_by_run.allow_config_change": allowed and any(not resumable(k) for k in changes),
+    }
+    storage.write_text(path, (storage.read_text(path) or "") + json.dumps(entry, default=str) + "\n")
+
+
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """The run's checkpoint directories, oldest first."""
+    paths = [p for p in storage.list_dirs(run_dir) if ckpt_files.step_of(storage.name(p)) >= 0]
+    return sorted(paths, key=lambda p: ckpt_files.order_key(storage.name(p)))
+
+
+@dataclass
+class Finished:
+    """A run that already reached its last step: its summary and final checkpoint."""
+
+    summary: dict[str, Any]
+    checkpoint: str
+
+
+def finished(run_dir: str, final_step: int) -> Finished | None:
+    """The run's summary when it finished: ``summary.json`` says done, and its newest checkpoint
+    is intact and at ``final_step``. None when there is training left to do."""
+    text = storage.read_text(storage.join(run_dir, "summary.json"))
+    summary = json.loads(text) if text else None
+    if not summary or not summary.get("metrics", {}).get("done"):
+        return None
+    paths = checkpoint_dirs(run_dir)
+    if not paths or ckpt_files.step_of(storage.name(paths[-1])) != final_step:
+        return None
+    with tempfile.TemporaryDirectory(prefix="raytrain-verify-") as tmp:
+        try:
+            ckpt_files.verify(storage.download_dir(paths[-1], tmp))
+        except ckpt_files.CheckpointError:
+            return None  # the workers will redo the last steps from the checkpoint before
+    return Finished(summary, paths[-1])

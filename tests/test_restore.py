@@ -1,0 +1,139 @@
+"""Restoring a run's checkpoint on the workers, without Ray: damage falls back to the one before
+(or to the beginning), anything else stops the restore on every worker, and the workers must end
+up with the same checkpoint. Real files, real gloo process groups."""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_loops.config import load_config
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.engine.loop import Position
+from raytrain_loops.launch.checkpoints import RayReporter, candidates
+from tests import fakes
+from tests.gloo import run_gloo
+
+
+def _engine(seed: int = 0) -> Engine:
+    model = fakes.make_model(seed=seed)
+    if torch.distributed.is_initialized():
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return Engine(model, fakes.mean_loss, load_config(None).engine, total_steps=100)
+
+
+def _write_checkpoint(run_dir: Path, step: int, world: int, seed: int = 0) -> Path:
+    """A checkpoint as the workers of a ``world``-sized group write it (what RayReporter.report
+    writes, without Ray): rank 0 the shared state, every rank its RNG and data position."""
+    engine = _engine(seed)
+    engine.step = step
+    d = run_dir / f"checkpoint_{step:08d}"
+    for rank in range(world):
+        state = engine.state_dict()
+        files = {ckpt.rank_file(rank): {"rng": state.pop("rng"), "data": {"epoch": 0, "batches": step}}}
+        if rank == 0:
+            files[ckpt.STATE] = state
+        ckpt.write_files(d, rank, files, world)
+    return d
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_starts_from_the_beginning(tmp_path, capsys):
+    run = tmp_path / "run"
+    _cut(_write_checkpoint(run, 6, world=1) / ckpt.STATE)  # a first upload cut off by a preemption
+    reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+    assert reporter.restore_from(candidates(str(run), None)) is None
+    assert reporter.engine.step == 0
+    assert reporter.loaded["started_fresh"] and reporter.loaded["checkpoint"] is None
+    assert [Path(s["checkpoint"]).name for s in reporter.loaded["skipped"]] == ["checkpoint_00000006"]
+    out = capsys.readouterr().out
+    assert f"no intact checkpoint in {run} (1 damaged); starting from the beginning" in out
+
+    donor = _write_checkpoint(tmp_path / "donor", 4, world=1, seed=5)  # the init checkpoint, when given
+    again = RayReporter(_engine(seed=3), 0, 1, str(run))
+    assert again.restore_from(candidates(str(run), None), init_checkpoint=str(donor)) == Position(0, 4)
+    assert again.engine.step == 4 and again.loaded["checkpoint"] == str(donor)
+    assert len(again.loaded["skipped"]) == 1 and f"starting from {donor}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[: len(b) // 2],
+        lambda b: b[:-10],
+        lambda b: b"",
+        lambda b: b"\x00not a checkpoint" * 20,
+        lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:],
+    ],
+    ids=["cut in half", "cut at the end", "empty", "garbage", "flipped byte"],
+)
+def test_damaged_files_read_as_damage(tmp_path, damage):
+    torch.save({"w": torch.ones(1000)}, tmp_path / "f.pt")
+    (tmp_path / "f.pt").write_bytes(damage((tmp_path / "f.pt").read_bytes()))
+    with pytest.raises(ckpt.CheckpointError, match="f.pt: refused or unreadable"):
+        ckpt.read_file(tmp_path, "f.pt")
+
+
+@pytest.mark.parametrize("error", [MemoryError(), OSError(errno.EIO, "Input/output error")], ids=["memory", "eio"])
+def test_a_failed_read_that_is_not_damage_propagates(tmp_path, monkeypatch, error):
+    torch.save({"w": torch.ones(3)}, tmp_path / "f.pt")
+
+    def failing_device(*args, **kwargs):  # the storage beneath the reader, failing
+        raise error
+
+    monkeypatch.setattr(torch, "load", failing_device)
+    with pytest.raises(type(error)):
+        ckpt.read_file(tmp_path, "f.pt")
+
+
+def _restore_with_failing_reads(rank: int, world: int, run: str, failing_rank: int) -> dict:
+    """Restore on every worker; ``failing_rank`` gets an I/O error reading the newest checkpoint."""
+    if rank == failing_rank:
+        real_load = torch.load
+
+        def load(path, *args, **kwargs):
+            if "checkpoint_00000012" in str(path):
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return real_load(path, *args, **kwargs)
+
+        torch.load = load
+    reporter = RayReporter(_engine(seed=9), rank, world, run)
+    position = reporter.restore_from(candidates(run, None))
+    return {"position": position.batches, "loaded": reporter.loaded["checkpoint"]}
+
+
+def test_a_worker_that_cannot_read_the_newest_checkpoint_does_not_take_an_older_one(tmp_path):
+    _write_checkpoint(tmp_path, 6, world=2)
+    _write_checkpoint(tmp_path, 12, world=2)
+    outcomes = run_gloo(2, _restore_with_failing_reads, str(tmp_path), 1, timeout=90)
+    assert outcomes[1].error == "OSError" and "Input/output error" in outcomes[1].message
+    assert outcomes[0].error == "RestoreMismatch"
+    assert re.search(
+        r"failed to restore a checkpoint: \{1: .OSError: \[Errno 5\] Input/output error", outcomes[0].message
+    )
+
+
+def _restore_from_listing(rank: int, world: int, listings: list[list[str]]) -> int:
+    reporter = RayReporter(_engine(seed=9), rank, world, "unused")
+    return reporter.restore_from(listings[rank]).batches
+
+
+def test_workers_that_restore_different_checkpoints_stop_naming_them(tmp_path):
+    old, new = _write_checkpoint(tmp_path, 6, world=2), _write_checkpoint(tmp_path, 12, world=2, seed=1)
+    # Rank 1's listing of the store lags behind (an eventually consistent object store).
+    same = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(new), str(old)]], timeout=90)
+    assert [o.value for o in same] == [12, 12]
+    outcomes = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(old)]], timeout=90)
+    digest = {s: ckpt.digest(ckpt.read_file(d, ckpt.STATE)["model"]) for s, d in ((6, old), (12, new))}
+    for o in outcomes:
+        assert o.error == "RestoreMismatch", o.message
+        assert f"worker 0: ('checkpoint_00000012', 12, '{digest[12]}')" in o.message
+        assert f"worker 1: ('checkpoint_00000006', 6, '{digest[6]}')" in o.message

@@ -1,0 +1,175 @@
+"""The driver's hold on a run directory, all before Ray starts: a rerun with another config, two
+drivers at once, and a rerun of a finished run. ``fit`` runs for real up to the point where it
+would start Ray, which the tests replace with a stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from examples.custom_task import CONFIG, SpiralTask
+from raytrain_loops import ConfigError, fit
+from raytrain_loops.config import load_config
+from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.launch import fit as fit_module
+from raytrain_loops.launch.rundir import RunLock, RunLocked
+
+
+class RayWouldStart(Exception):
+    """Raised where fit would start Ray: everything before it ran."""
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    def stop(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(fit_module, "ensure_ray", stop)
+
+
+def _config(tmp_path: Path, **sections) -> dict:
+    config = {**CONFIG, "loop": {"epochs": 1}, "run": {"name": "r", "storage_path": str(tmp_path), "progress": False}}
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values}
+    return config
+
+
+def _started(tmp_path: Path, config: dict, steps: tuple[int, ...] = (8,)) -> Path:
+    """A run directory as an earlier run of ``config`` left it: its config and checkpoints."""
+    run = tmp_path / "r"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(load_config(config).to_dict()))
+    for step in steps:
+        d = run / f"checkpoint_{step:08d}"
+        for rank in range(2):
+            files = {ckpt.rank_file(rank): {"data": {"epoch": 0, "batches": step}}}
+            if rank == 0:
+                files[ckpt.STATE] = {"model": {}}
+            ckpt.write_files(d, rank, files, 2)
+    return run
+
+
+def test_a_rerun_that_changes_the_trained_state_is_refused_naming_every_key(tmp_path, no_ray):
+    run = _started(tmp_path, _config(tmp_path))
+    changed = _config(tmp_path, optim={"name": "sgd"}, data={"batch_size": 32}, loop={"max_steps": 12})
+    with pytest.raises(ConfigError) as info:
+        fit(changed, task=SpiralTask())
+    message = str(info.value)
+    assert info.value.key == "data.batch_size"
+    assert "Changed: data.batch_size (64 -> 32), optim.name ('adamw' -> 'sgd')" in message
+    assert "run.allow_config_change=true" in message and "loop.max_steps" not in message
+    assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["name"] == "adamw"  # untouched
+
+    allowed = _config(tmp_path, optim={"name": "sgd"}, run={**changed["run"], "allow_config_change": True})
+    with pytest.raises(RayWouldStart):
+        fit(allowed, task=SpiralTask())
+    record = json.loads((run / "config_changes.jsonl").read_text().splitlines()[-1])
+    assert record["changes"]["optim.name"] == {"old": "adamw", "new": "sgd"}
+    assert record["allowed_by_run.allow_config_change"] is True
+    assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["name"] == "sgd"
+
+
+def test_a_rerun_may_change_scaling_logging_run_and_length_and_says_so(tmp_path, no_ray, capsys):
+    run = _started(tmp_path, _config(tmp_path))
+    longer = _config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}, logging={"every_steps": 7})
+    with pytest.raises(RayWouldStart):
+        fit(longer, task=SpiralTask())
+    assert (
+        "with a changed config: logging.every_steps (10 -> 7), loop.epochs (1 -> 3), scaling.num_workers (2 -> 1)"
+        in capsys.readouterr().out
+    )
+    record = json.loads((run / "config_changes.jsonl").read_text())
+    assert set(record["changes"]) == {"logging.every_steps", "loop.epochs", "scaling.num_workers"}
+    assert record["allowed_by_run.allow_config_change"] is False
+    with pytest.raises(RayWouldStart):  # the same command again: nothing changed, nothing recorded
+        fit(longer, task=SpiralTask())
+    assert len((run / "config_changes.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_hashed_run_name_ignores_allow_config_change_and_keeps_the_length():
+    from raytrain_loops.launch.fit import run_name
+
+    base = load_config(CONFIG)
+    same = load_config(CONFIG, ["run.allow_config_change=true", "run.progress=false"])
+    longer = load_config(CONFIG, ["loop.epochs=31"])
+    assert run_name(base, SpiralTask()) == run_name(same, SpiralTask()) != run_name(longer, SpiralTask())
+
+
+def test_a_second_driver_on_the_same_run_directory_is_refused(tmp_path, no_ray):
+    config = _config(tmp_path)
+    with RunLock(str(tmp_path / "r")):
+        holder = json.loads((tmp_path / "r" / "driver.lock").read_text())
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        with pytest.raises(RunLocked, match=rf"in use by the driver with pid {os.getpid()} on {socket.gethostname()}"):
+            fit(config, task=SpiralTask())
+    assert not (tmp_path / "r" / "driver.lock").exists()  # released
+    with pytest.raises(RayWouldStart):  # free again; and released when fit fails, too
+        fit(config, task=SpiralTask())
+    assert not (tmp_path / "r" / "driver.lock").exists()
+
+
+def test_a_lock_whose_driver_is_gone_or_silent_is_taken_over(tmp_path, capsys):
+    run = str(tmp_path / "r")
+    # A driver killed with SIGKILL while it held the lock.
+    code = f"from raytrain_loops.launch.rundir import RunLock; RunLock({run!r}).acquire(); print('held', flush=True); import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    with pytest.raises(RunLocked):
+        RunLock(run).acquire()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lock = RunLock(run).acquire()
+    assert f"its driver (pid {proc.pid}) is gone" in capsys.readouterr().out
+    lock.release()
+
+    # A driver on another host: alive while its heartbeat is fresh, stale after the limit.
+    path = tmp_path / "r" / "driver.lock"
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "time": time.time(), "token": "x"}))
+    with pytest.raises(RunLocked, match="on elsewhere"):
+        RunLock(run, stale_after_s=5).acquire()
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "time": time.time() - 10, "token": "x"}))
+    RunLock(run, stale_after_s=5).acquire().release()
+    assert "its heartbeat is 10s old (pid 1 on elsewhere)" in capsys.readouterr().out
+
+
+def test_a_held_lock_keeps_its_heartbeat(tmp_path):
+    lock = RunLock(str(tmp_path), heartbeat_s=0.05).acquire()
+    first = json.loads((tmp_path / "driver.lock").read_text())["time"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / "driver.lock").read_text())["time"] > first
+    lock.release()
+    assert not (tmp_path / "driver.lock").exists()
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_path, no_ray, capsys):
+    config = _config(tmp_path)
+    final = 16  # 2048 rows / 2 workers / 64 per batch, one epoch
+    run = _started(tmp_path, config, steps=(8, final))
+    summary = {"run_dir": str(run), "wall_time_s": 12.5, "checkpoint": str(run / "checkpoint_00000016")}
+    summary["metrics"] = {"step": final, "done": 1.0, "eval_accuracy": 0.75}
+    (run / "summary.json").write_text(json.dumps(summary))
+    before = sorted(p.name for p in run.iterdir())
+
+    result = fit(config, task=SpiralTask())
+    assert result.metrics == summary["metrics"] and result.checkpoint == summary["checkpoint"]
+    assert (
+        result.wall_time == 12.5
+        and "already finished at step 16: done=1, eval_accuracy=0.75" in capsys.readouterr().out
+    )
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing written
+
+    with pytest.raises(RayWouldStart):  # a longer run of it trains on
+        fit(_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())
+    state = run / "checkpoint_00000016" / ckpt.STATE
+    state.write_bytes(state.read_bytes()[:10])
+    with pytest.raises(RayWouldStart):  # so does one whose final checkpoint is damaged
+        fit(config, task=SpiralTask())

@@ -1,0 +1,195 @@
+"""Run directories on an object store: a real S3 API (moto's server) read and
+written through pyarrow's S3 file system, as Ray Train and the run's own files use it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.fs as pafs
+import pytest
+import yaml
+
+from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.launch import storage
+from raytrain_loops.launch.rundir import RunLock, RunLocked
+from raytrain_loops.launch.runlog import RunLog
+
+
+# A real S3 API on this machine: moto's server on a free port, with a bucket.
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """The endpoint (``host:port``) of a moto S3 server holding the bucket ``runs``."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"{host}:{port}"
+    client = boto3.client("s3", endpoint_url=f"http://{endpoint}", region_name="us-east-1")
+    client.create_bucket(Bucket="runs")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server: str) -> str:
+    """A fresh prefix in the bucket, as a URI pyarrow (and Ray Train) open with the endpoint."""
+    return f"s3://runs/{uuid.uuid4().hex[:8]}?endpoint_override={s3_server}&scheme=http&region=us-east-1"
+
+
+def _files(uri: str) -> dict[str, int]:
+    """Every object under ``uri``: path relative to it -> size."""
+    fs, root = pafs.FileSystem.from_uri(uri)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    return {i.path[len(root) + 1 :]: i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def test_the_storage_layer_keeps_the_endpoint_in_every_path(s3_root, tmp_path):
+    run = storage.join(s3_root, "run")
+    assert run.endswith("/run?" + s3_root.split("?")[1]) and storage.name(run) == "run"
+    storage.write_text(storage.join(run, "a.txt"), "one")
+    assert storage.read_text(storage.join(run, "a.txt")) == "one" and storage.read_text(storage.join(run, "b")) is None
+    local = tmp_path / "ckpt"
+    ckpt.write_files(local, 0, {ckpt.STATE: {"x": 1}, ckpt.rank_file(0): {}}, 1)
+    storage.upload_dir(str(local), storage.join(run, "checkpoint_00000004"))
+    [listed] = storage.list_dirs(run)
+    assert listed == storage.join(run, "checkpoint_00000004")  # a path that still reaches the endpoint
+    storage.copy_tree(listed, storage.join(run, "best", "checkpoint_00000004"))
+    copy = storage.download_dir(storage.join(run, "best", "checkpoint_00000004"), str(tmp_path / "down"))
+    assert ckpt.verify(copy) == 1
+    storage.delete_tree(storage.join(run, "best"))
+    assert set(_files(run)) == {"a.txt", *(f"checkpoint_00000004/{n}" for n in os.listdir(local))}
+
+    with RunLock(run), pytest.raises(RunLocked, match="in use by the driver"):  # on a bucket, too
+        RunLock(run).acquire()
+    assert "driver.lock" not in _files(run)
+
+
+def _step(loss: float) -> SimpleNamespace:
+    """What the loop hands the run log after a step (a StepResult's fields)."""
+    return SimpleNamespace(
+        loss=loss, lr=0.1, grad_norm=1.0, sample_size=8, applied=True, skipped=None, compute_time=0.0
+    )
+
+
+def test_the_run_log_on_a_bucket_continues_across_attempts(s3_root):
+    run = storage.join(s3_root, "run")
+    first = RunLog(run, rank=0, total_steps=8, progress=False)
+    for step in range(1, 5):
+        first.on_step(_step(1.0 / step), step, 0)
+    first.on_eval({"eval_accuracy": 0.5}, 4, 0)
+    first.before_checkpoint()  # uploaded with the checkpoint of step 4; then the worker is killed
+
+    second = RunLog(run, rank=0, total_steps=8, progress=False, start_step=4)  # the restarted attempt
+    for step in range(5, 9):
+        second.on_step(_step(1.0 / step), step, 0)
+    second.on_eval({"eval_accuracy": 0.7}, 8, 0)
+    second.close()
+    steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert steps == list(range(1, 9))
+    evals = [json.loads(line) for line in storage.read_text(storage.join(run, "eval.jsonl")).splitlines()]
+    assert [e["eval_accuracy"] for e in evals] == [0.5, 0.7]
+    assert not os.path.exists(second.local_dir)  # closed: its local copy is gone
+
+
+def test_a_killed_workers_local_copies_are_removed_by_the_next_start(s3_root):
+    run = storage.join(s3_root, "run")
+    code = (
+        "from raytrain_loops.launch.runlog import RunLog; import sys, time; "
+        f"log = RunLog({run!r}, rank=0, total_steps=8, progress=False); print(log.local_dir, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
+    left = proc.stdout.readline().strip()
+    assert os.path.isdir(left)
+    os.kill(proc.pid, signal.SIGKILL)  # no cleanup runs
+    proc.wait()
+    assert os.path.isdir(left)
+    log = RunLog(run, rank=0, total_steps=8, progress=False)  # the next attempt's worker
+    assert not os.path.exists(left)
+    log.close()
+
+
+class _Result(SimpleNamespace):
+    """One trial's outcome, as Tune's ResultGrid holds it."""
+
+
+class _Grid(list):
+    def get_best_result(self, metric, mode, scope):
+        return (max if mode == "max" else min)(self, key=lambda r: r.metrics[metric])
+
+
+def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
+    import pandas as pd
+
+    from raytrain_loops.config import load_config
+    from raytrain_loops.config.sweep import load_sweep
+    from raytrain_loops.launch.sweep_results import write_outputs
+
+    monkeypatch.chdir(tmp_path)
+    base = load_config(None)
+    sweep = load_sweep(
+        {"metric": "eval_accuracy", "mode": "max", "space": {"schedules.lr.value": {"choice": [0.1, 0.01]}}}, base
+    )
+    grid = _Grid(
+        _Result(
+            config={"schedules.lr.value": lr},
+            metrics={"eval_accuracy": acc},
+            metrics_dataframe=pd.DataFrame({"step": [1, 2], "eval_accuracy": [acc / 2, acc]}),
+            path=f"/x/trial_0000{i}",
+            error=None,
+        )
+        for i, (lr, acc) in enumerate([(0.1, 0.6), (0.01, 0.8)])
+    )
+    sweep_dir = storage.join(s3_root, "sweep")
+    result = write_outputs(grid, sweep, base, base.run, sweep_dir)
+    assert result.best_values == {"schedules.lr.value": 0.01}
+    files = _files(sweep_dir)
+    assert set(files) == {"results.csv", "best.yaml", "metric_per_trial.png"}
+    assert yaml.safe_load(storage.read_text(storage.join(sweep_dir, "best.yaml")))["schedules"]["lr"]["value"] == 0.01
+    assert "trial_00001" in storage.read_text(storage.join(sweep_dir, "results.csv"))
+    assert not any(Path(tmp_path).iterdir())  # nothing written to a local directory named "s3:"
+
+
+@pytest.mark.ray
+def test_a_run_in_a_bucket_survives_a_killed_worker_keeps_its_log_and_is_not_rerun(ray_session, s3_root):
+    from examples.custom_task import CONFIG, SpiralTask
+    from raytrain_loops import fit
+
+    config = {
+        **CONFIG,
+        "loop": {"max_steps": 12},
+        "eval": {"every_steps": 4},
+        "checkpoint": {"every_steps": 4, "keep": 2, "score_metric": "eval_accuracy"},
+        "run": {"name": "in-a-bucket", "storage_path": s3_root, "progress": False, "max_failures": 1},
+        "fault": {"plan": [{"step": 6, "rank": 0, "kind": "kill"}]},  # rank 0 writes the run log
+    }
+    result = fit(config, task=SpiralTask())  # Ray Train's storage_path is the same URI
+    run = storage.join(s3_root, "in-a-bucket")
+    assert result.metrics["step"] == 12 and storage.name(result.checkpoint) == "checkpoint_00000012"
+    files = _files(run)
+    assert "faults/0.fired" in files  # the kill happened
+    # The log holds both attempts: 1-4 uploaded with checkpoint 4, then 5-12 after the restart.
+    steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert steps == list(range(1, 13))
+    assert storage.name(json.loads(storage.read_text(storage.join(run, "init.json")))["checkpoint"]) == (
+        "checkpoint_00000004"
+    )
+    best = json.loads(storage.read_text(storage.join(run, "best", "best.json")))
+    assert len(best) == 2 and all(f"best/{e['checkpoint']}/state.pt" in files for e in best)
+    # The newest and the one before (4 too, when the kill came before Ray had registered it).
+    assert {n.split("/")[0] for n in files if n.startswith("checkpoint_0")} >= {
+        "checkpoint_00000008",
+        "checkpoint_00000012",
+    }
+
+    again = fit(config, task=SpiralTask())  # finished: nothing trained, nothing written
+    assert again.metrics == result.metrics and _files(run) == files
