@@ -3,6 +3,8 @@ every worker takes together (non-finite, OOM) without hanging."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -129,9 +131,22 @@ def test_nonfinite_on_one_rank_stop_raises_naming_the_module_on_both():
         assert "module 'encoder'" in o.message and "worker 1" in o.message and "step 2" in o.message
 
 
-def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], k: int):
+class _OOMInBackward(torch.autograd.Function):
+    """Identity forward; its backward runs out of memory (before any parameter's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
+
+
+def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], k: int, policy: str = "skip"):
     model = DDP(fakes.make_model())
-    engine = Engine(model, fakes.mean_loss, fakes.config("oom.max_consecutive=2").engine, total_steps=6)
+    cfg = fakes.config("oom.max_consecutive=2", f"oom.policy={policy}")
+    engine = Engine(model, fakes.mean_loss, cfg.engine, total_steps=6)
     x, y = fakes.regression_data(n=48, seed=rank)
     fired = set()
 
@@ -140,6 +155,10 @@ def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], 
         call = engine.counts["micro_batches"] // k
         if rank == 0 and ctx.micro_index == k - 1 and call in oom_steps and call not in fired:
             fired.add(call)
+            if when == "in_backward":
+                out = fakes.mean_loss(m, batch, ctx)
+                out.loss = _OOMInBackward.apply(out.loss)
+                return out
             if when == "after_forward":
                 m(batch[0])
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected at call {call})")
@@ -168,6 +187,40 @@ def test_repeated_oom_is_a_clear_error_on_both_ranks():
     outcomes = run_gloo(2, _oom_on_rank0, "before_forward", (1, 2), 1)
     assert [o.error for o in outcomes] == ["OOMError", "OOMError"]
     assert all("out of memory on 2 updates in a row" in o.message for o in outcomes)
+
+
+def _ended_together(*args) -> tuple[list, float]:
+    start = time.perf_counter()
+    outcomes = run_gloo(2, _oom_on_rank0, *args, timeout=60)
+    return outcomes, time.perf_counter() - start
+
+
+def test_oom_with_policy_raise_on_one_worker_raises_on_both():
+    outcomes, seconds = _ended_together("before_forward", (1,), 2, "raise")
+    assert [o.error for o in outcomes] == ["OOMError", "OOMError"], [o.message for o in outcomes]
+    assert all("oom.policy=raise" in o.message and "at step 1" in o.message for o in outcomes)
+    assert seconds < 30
+
+
+def test_oom_on_the_first_step_with_one_micro_batch_is_skipped_on_both():
+    # Step 0 after a (re)start, one micro-batch per update: the failed batch itself joins the
+    # gradient all-reduce at zero weight.
+    outcomes, seconds = _ended_together("before_forward", (0,), 1)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    for o in outcomes:
+        assert o.value["skipped"] == ["oom", None, None, None, None, None]
+    for name, p in outcomes[0].value["params"].items():
+        assert torch.equal(p, outcomes[1].value["params"][name]), name
+    assert seconds < 30
+
+
+def test_oom_in_the_synchronising_backward_ends_every_worker_as_a_retryable_failure():
+    outcomes, seconds = _ended_together("in_backward", (1,), 2)
+    # Not a TrainingError (which would stop the run without a retry): Ray restarts the group.
+    assert outcomes[0].error == "GroupBrokenError", outcomes[0].message
+    assert "backward pass of the synchronising micro-batch on worker 0 at step 1" in outcomes[0].message
+    assert outcomes[1].error is not None  # the other worker's all-reduce fails: it does not wait on
+    assert seconds < 30
 
 
 def _rank_dependent_metric(rank: int, world: int):

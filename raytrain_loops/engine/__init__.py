@@ -1,7 +1,14 @@
 """The per-worker training engine. It imports no Ray and runs with or without a process group."""
 
 from raytrain_loops.engine.ema import EMA
-from raytrain_loops.engine.guards import GradSyncError, LossScaleError, NonFiniteError, OOMError, TrainingError
+from raytrain_loops.engine.guards import (
+    GradSyncError,
+    GroupBrokenError,
+    LossScaleError,
+    NonFiniteError,
+    OOMError,
+    TrainingError,
+)
 from raytrain_loops.engine.schedules import schedule_value, schedule_values
 from raytrain_loops.engine.step import (
     Decision,
@@ -21,6 +28,7 @@ __all__ = [
     "EMA",
     "Engine",
     "GradSyncError",
+    "GroupBrokenError",
     "LossFn",
     "LossOutput",
     "LossScaleError",

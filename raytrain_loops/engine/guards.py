@@ -29,6 +29,12 @@ class LossScaleError(TrainingError):
     """The fp16 loss scale fell below its floor: the loss overflows even at a tiny scale."""
 
 
+class GroupBrokenError(RuntimeError):
+    """This worker cannot complete the step's collectives with the others (an OOM while DDP's
+    gradient all-reduce was under way): not a :class:`TrainingError`, so Ray restarts the whole
+    group from the last checkpoint instead of leaving the others waiting."""
+
+
 def is_oom(err: BaseException) -> bool:
     """Whether ``err`` is an out-of-memory error from any backend."""
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))

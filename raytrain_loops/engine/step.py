@@ -36,6 +36,7 @@ from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
     GradSyncError,
+    GroupBrokenError,
     LossScaleError,
     NonFiniteError,
     OOMError,
@@ -244,21 +245,30 @@ class Engine:
                 self._join_with_dummy(ctx, last)
                 continue
             batch = to_device(batch, self.device)
+            if self._dummy is None:
+                # Kept before the forward: a worker whose very first micro-batch fails (OOM on
+                # the first step after a restart) still has a batch to join the all-reduce with.
+                self._dummy = batch
+            backward = False
             try:
                 with self._sync(last):
                     with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
+                    backward = True
                     self.scaler.scale(out.loss / k if self._mean else out.loss).backward()
             except Exception as err:
                 if not is_oom(err):
                     raise
-                if self.config.oom.policy == "raise":
-                    raise OOMError(f"out of memory in forward/backward at step {self.step} (oom.policy=raise)") from err
+                if backward and last and self._ddp and self.world_size > 1:
+                    raise GroupBrokenError(
+                        f"out of memory in the backward pass of the synchronising micro-batch on worker "
+                        f"{dist.rank()} at step {self.step}: DDP's gradient all-reduce was under way and cannot "
+                        "be completed; the group restarts from the last checkpoint"
+                    ) from err
+                # Counted, and decided by all workers alike after the all-reduce (oom.policy).
                 local.ooms += 1
                 self._recover_from_oom(ctx, last, err)
                 continue
-            if self._dummy is None:
-                self._dummy = batch
             loss = out.loss.detach().float()
             local.losses.append((i, loss))
             local.loss_sum = local.loss_sum + loss
@@ -331,9 +341,12 @@ class Engine:
         try:
             self._join_with_dummy(ctx, last)
         except Exception as again:
-            raise OOMError(
-                f"out of memory at step {self.step} and the gradient all-reduce could not be completed "
-                f"({again}); lower the micro-batch size"
+            # The other workers wait in DDP's all-reduce for this one: only a restart of the
+            # group (from the last checkpoint) ends that wait on every worker.
+            raise GroupBrokenError(
+                f"out of memory on worker {dist.rank()} at step {self.step}, and its zero-weight pass to join "
+                f"the gradient all-reduce failed too ({type(again).__name__}: {again}); the group restarts from "
+                "the last checkpoint. If this repeats, lower the micro-batch size"
             ) from err
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -400,6 +413,11 @@ class Engine:
             )
 
     def _oom_error(self) -> OOMError | None:
+        if self.config.oom.policy == "raise":
+            return OOMError(
+                f"out of memory in forward/backward at step {self.step} (oom.policy=raise); lower the "
+                "micro-batch size or set oom.policy=skip"
+            )
         if self._in_a_row["oom"] < self.config.oom.max_consecutive:
             return None
         return OOMError(
