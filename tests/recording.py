@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.tasks import DigitsTask, ParquetSplit
 from raytrain_loops.tasks.digits import write_digits_parquet
 
@@ -59,3 +61,20 @@ def counted_batches(record_dir: Path) -> dict[tuple[int, int, int], dict]:
             r = json.loads(line)
             out[(rank, r["step"], r["micro"])] = r
     return out
+
+
+class StopsAlone(RecordingDigits):
+    """Recording digits whose criterion raises a :class:`TrainingError` on worker ``stop_rank``
+    alone at step ``stop_step`` (counted from 0), once, noting the time in ``record_dir/stopped``."""
+
+    def __init__(self, record_dir: str, stop_step: int, stop_rank: int = 1, **params):
+        super().__init__(record_dir, **params)
+        self.stop_step, self.stop_rank = stop_step, stop_rank
+
+    def criterion(self, model, batch, ctx):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        marker = Path(self.record_dir) / "stopped"
+        if rank == self.stop_rank and ctx.step == self.stop_step and not marker.exists():
+            marker.write_text(repr(time.time()))
+            raise TrainingError(f"worker {rank} alone decided to stop")
+        return super().criterion(model, batch, ctx)

@@ -4,6 +4,7 @@ that must not be retried. Every fault here is injected through ``fault.plan``.""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -124,3 +125,26 @@ def test_a_loss_spike_stops_the_run_without_a_retry(ray_session, tmp_path):
     assert steps == list(range(1, 10))  # one attempt: a retry would have logged steps again
     checkpoints = sorted(p.name for p in run.glob("checkpoint_0*"))
     assert checkpoints == ["checkpoint_00000006"]  # nothing written after the spike
+
+
+def test_a_stop_decided_by_one_worker_alone_ends_every_worker_within_seconds(ray_session, tmp_path):
+    record = tmp_path / "rec"
+    overrides = _overrides(tmp_path, "alone", record, "loop.max_steps=30", "run.max_failures=2")
+    overrides += [
+        "task.name=tests.recording:StopsAlone",
+        f"task.params={{record_dir: {record}, width: 16, stop_step: 3}}",
+    ]
+    # Worker 1 stops; worker 0 is then in DDP's all-reduce, waiting for it. Worker 1 finds no
+    # agreement, raises, Ray ends the group, and the restarted group ends on the posted stop.
+    with pytest.raises(TrainingStopped, match=r"TrainingError at step 3: worker 1 alone decided to stop"):
+        fit(resolve("default"), overrides=overrides)
+    ended = time.time()
+    assert ended - float((record / "stopped").read_text()) < 30
+    run = tmp_path / "runs" / "alone"
+    # Worker 0 ran the 2 micro-batches of steps 1-3 once each, and was waiting for worker 1 in
+    # step 4 when the group ended; the restarted group trained nothing.
+    lines = (record / "ids.rank0.jsonl").read_text().splitlines()
+    counts = Counter(json.loads(line)["step"] for line in lines)
+    assert [counts[s] for s in (1, 2, 3)] == [2, 2, 2] and set(counts) <= {1, 2, 3, 4} and counts[4] <= 2
+    (posted,) = run.glob("stops/*/rank1.json")
+    assert json.loads(posted.read_text())["kind"] == "TrainingError"

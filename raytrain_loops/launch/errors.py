@@ -34,10 +34,3 @@ class TrainingStopped(RuntimeError):
     def __init__(self, kind: str, message: str, step: int):
         super().__init__(f"{kind} at step {step}: {message}")
         self.kind, self.step = kind, step
-
-
-def raise_if_stopped(result) -> None:
-    """Raise :class:`TrainingStopped` when the workers ended the run on a non-retryable error."""
-    stopped = result.return_value
-    if isinstance(stopped, Stopped):
-        raise TrainingStopped(stopped.kind, stopped.message, stopped.step)

@@ -16,8 +16,8 @@ import yaml
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
-from raytrain_loops.launch.errors import raise_if_stopped
 from raytrain_loops.launch.rundir import Finished, RunLock, check_config, finished, record_changes
+from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -201,10 +201,10 @@ def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, i
     ensure_ray(config)
     from raytrain_loops.launch.trainer import build_trainer
 
-    trainer = build_trainer(config, task, splits, rows, name, run_dir)
-    result = trainer.fit()
+    board = StopBoard.new(run_dir, config.scaling.num_workers)
+    trainer = build_trainer(config, task, splits, rows, name, run_dir, board=board)
+    result = fit_or_stop(trainer, board)
     wall = time.time() - start
-    raise_if_stopped(result)
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}

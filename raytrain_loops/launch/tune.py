@@ -21,8 +21,8 @@ from typing import Any
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.launch import storage
-from raytrain_loops.launch.errors import raise_if_stopped
 from raytrain_loops.launch.fit import ensure_ray, planned_steps, prepare
+from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.launch.sweep_results import SweepResult, write_outputs
 from raytrain_loops.tasks import Task
 
@@ -93,6 +93,7 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
     name = trial if init is None else f"{trial}-from-{hashlib.sha256(init.encode()).hexdigest()[:8]}"
     run_dir = storage.join(config.run.storage_path, name)
     queue = Queue(maxsize=4, actor_options={"num_cpus": 0})
+    board = StopBoard.new(run_dir, config.scaling.num_workers)
     trainer = build_trainer(
         config,
         payload["task"],
@@ -102,12 +103,13 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
         run_dir,
         callbacks=[Relay(queue)],
         init_checkpoint=init,
+        board=board,
     )
     outcome: dict[str, BaseException] = {}
 
     def fit() -> None:
         try:
-            raise_if_stopped(trainer.fit())
+            fit_or_stop(trainer, board)
         except BaseException as err:  # re-raised in the trial's thread below
             outcome["error"] = err
 

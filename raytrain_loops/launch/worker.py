@@ -29,19 +29,22 @@ from raytrain_loops.launch.checkpoints import RayReporter
 from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.runlog import RunLog
+from raytrain_loops.launch.stops import StopBoard
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 
 @dataclass
 class WorkerPayload:
     """What the driver sends every worker: the run's config, the task, its data and where the
-    run's files go. ``init_checkpoint`` starts a new run from another run's checkpoint."""
+    run's files go; ``stops``, where a worker posts a stop that a retry cannot fix.
+    ``init_checkpoint`` starts a new run from another run's checkpoint."""
 
     config: Config
     task: Task
     splits: dict[str, ParquetSplit | MapSplit]
     rows: dict[str, int]
     run_dir: str
+    stops: StopBoard
     init_checkpoint: str | None = None
 
 
@@ -56,6 +59,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     config, task, run_dir = payload.config, payload.task, payload.run_dir
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    stopped = payload.stops.posted()
+    if stopped is not None:  # a worker of an earlier attempt stopped: a retry would meet it again
+        return stopped
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
@@ -82,8 +88,13 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     try:
         loop.run(position)
     except TrainingError as err:
-        # Every worker raises it at the same step (the decision comes from all-reduced values),
-        # and a restart would meet it again: end the attempt normally so Ray does not retry, and
-        # let the driver raise it (the last checkpoint stays the newest).
-        return Stopped(type(err).__name__, str(err), engine.step)
+        # A restart would meet it again. Raised by every worker at the same step (decided from
+        # all-reduced values), every worker ends the attempt normally and the driver raises it;
+        # raised by this worker alone, the others wait in a collective: raise, so that Ray ends
+        # the group now, and the restarted group (or the driver) finds the posted stop.
+        stopped = Stopped(type(err).__name__, str(err), engine.step)
+        payload.stops.post(rank, stopped)
+        if payload.stops.agreed(world):
+            return stopped
+        raise
     return None
