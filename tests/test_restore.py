@@ -64,6 +64,17 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_from_the_beginning(tmp_p
     assert len(again.loaded["skipped"]) == 1 and f"starting from {donor}" in capsys.readouterr().out
 
 
+def test_a_run_whose_checkpoints_are_whole_but_refused_by_the_loader_stops_instead_of_starting_over(tmp_path):
+    # A type in the saved state that weights_only does not allow: every checkpoint is refused,
+    # and starting from step 0 would silently throw the run's progress away.
+    run = tmp_path / "run"
+    d = run / "checkpoint_00000006"
+    ckpt.write_files(d, 0, {ckpt.STATE: {"model": Path("not a tensor")}, ckpt.rank_file(0): {}}, 1)
+    reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+    with pytest.raises(ckpt.CheckpointError, match="1 were refused by torch.load"):
+        reporter.restore_from(candidates(str(run), None))
+
+
 @pytest.mark.parametrize(
     "damage",
     [

@@ -141,6 +141,20 @@ def test_a_lock_whose_driver_is_gone_or_silent_is_taken_over(tmp_path, capsys):
     assert "its heartbeat is 10s old (pid 1 on elsewhere)" in capsys.readouterr().out
 
 
+def test_a_lock_left_by_an_earlier_process_with_the_same_pid_is_taken_over(tmp_path, capsys):
+    # A container restarted in place: same host name, and the driver is pid 1 again.
+    run = str(tmp_path / "r")
+    path = tmp_path / "r" / "driver.lock"
+    path.parent.mkdir()
+    body = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": "earlier"}
+    path.write_text(json.dumps(body))
+    lock = RunLock(run).acquire()
+    assert f"left by an earlier process with this pid ({os.getpid()})" in capsys.readouterr().out
+    with pytest.raises(RunLocked):  # but a lock this process holds is not taken over by it
+        RunLock(run).acquire()
+    lock.release()
+
+
 def test_a_held_lock_keeps_its_heartbeat(tmp_path):
     lock = RunLock(str(tmp_path), heartbeat_s=0.05).acquire()
     first = json.loads((tmp_path / "driver.lock").read_text())["time"]

@@ -23,6 +23,8 @@ STATE = "state.pt"
 
 
 class CheckpointError(RuntimeError):
+    refused = False  # set when weights_only refused what the file holds, rather than it being cut or missing
+
     """A checkpoint is missing, incomplete or damaged."""
 
 
@@ -153,4 +155,8 @@ def read_file(directory: str | Path, name: str) -> Any:
         what = (
             "missing" if isinstance(err, FileNotFoundError) else f"refused or unreadable ({type(err).__name__}: {err})"
         )
-        raise CheckpointError(f"{path}: {what}") from None
+        error = CheckpointError(f"{path}: {what}")
+        # weights_only refusing a type: the bytes may be whole (the manifest's checksums are
+        # checked first); an older checkpoint is worth trying, a start from scratch is not.
+        error.refused = isinstance(err, pickle.UnpicklingError)
+        raise error from None

@@ -223,6 +223,7 @@ class Loop:
             raise ValueError(f"two callbacks share a state key (set Callback.name to tell them apart): {keys}")
         self.metrics: dict[str, float] = {}  # the latest interval's, carried by every report
         self.last_eval: dict[str, float] = {}  # the latest evaluation's, carried by every report
+        self.eval_step: int | None = None  # the step of that evaluation
         self.calls = 0
 
     @property
@@ -296,11 +297,14 @@ class Loop:
         if evaluate_now and self.source.has_eval:
             eval_batches = self.source.batches("eval", engine.epoch)
             self.last_eval.update(evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema))
+            self.eval_step = engine.step
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)
         # Every report carries the latest evaluation, so a sweep's metric is in each of them.
         metrics = {**self.metrics, **({"done": 1.0} if done else {}), **self.last_eval}
         metrics.update(step=engine.step, epoch=engine.epoch)
+        if self.eval_step is not None:  # the evaluation carried may be older than this step
+            metrics["eval_step"] = self.eval_step
         if checkpoint_now:
             for cb in self.callbacks:
                 cb.before_checkpoint()

@@ -100,6 +100,14 @@ class RayReporter:
         position, failure = None, None
         try:
             position = self._first_intact(paths, skipped)
+            refused = [s for s in skipped if s["refused"]]
+            if position is None and refused:
+                # Whole files that weights_only refuses (a type in the saved state it does not
+                # allow): starting again would throw the run's progress away for a fixable cause.
+                raise ckpt_files.CheckpointError(
+                    f"no checkpoint of {self.run_dir} could be loaded, and {len(refused)} were refused by "
+                    f"torch.load(weights_only=True) rather than damaged; the newest: {refused[0]['reason']}"
+                )
             if position is None and paths and self.rank == 0:
                 start = f"from {init_checkpoint}" if init_checkpoint else "from the beginning"
                 print(
@@ -123,7 +131,7 @@ class RayReporter:
             except ckpt_files.CheckpointError as err:
                 if self.rank == 0:
                     print(f"warning: checkpoint {path} is unusable, trying the one before: {err}", flush=True)
-                skipped.append({"checkpoint": path, "reason": str(err)})
+                skipped.append({"checkpoint": path, "reason": str(err), "refused": err.refused})
         return None
 
     def _load(self, checkpoint, skipped: list[dict[str, str]]) -> Position:
@@ -221,6 +229,8 @@ class KeepBest(UserCallback):
 
     def _rank(self, metrics: dict[str, Any], name: str) -> None:
         score = metrics.get(self.metric)
+        if self.metric.startswith("eval_") and metrics.get("eval_step") != metrics.get("step"):
+            score = None  # the report carries an earlier step's evaluation: these weights were not evaluated
         index = storage.join(self.run_dir, BEST, "best.json")
         before = json.loads(storage.read_text(index) or "[]")
         entry = {"checkpoint": name, "step": ckpt_files.step_of(name), "score": score}

@@ -32,6 +32,9 @@ class RunLocked(RuntimeError):
     """Another driver holds the run directory."""
 
 
+_HELD: set[str] = set()  # the tokens of the locks this process holds
+
+
 class RunLock:
     """``driver.lock`` in the run directory: the host, pid and time of the driver running it,
     refreshed every ``heartbeat_s`` seconds and removed when the driver exits. A lock is stale,
@@ -52,6 +55,7 @@ class RunLock:
         """Take the lock, or raise :class:`RunLocked` naming the driver that holds it."""
         for _ in range(3):
             if storage.create_exclusive(self.path, self._body()):
+                _HELD.add(self.token)
                 self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
                 self._thread.start()
                 return self
@@ -77,25 +81,37 @@ class RunLock:
         age = time.time() - holder["time"]
         if age > self.stale_after_s:
             return f"its heartbeat is {age:.0f}s old (pid {holder['pid']} on {holder['host']})"
-        if holder["host"] == socket.gethostname() and not storage.pid_alive(holder["pid"]):
-            return f"its driver (pid {holder['pid']}) is gone"
+        if holder["host"] == socket.gethostname():
+            if not storage.pid_alive(holder["pid"]):
+                return f"its driver (pid {holder['pid']}) is gone"
+            if holder["pid"] == os.getpid() and holder.get("token") not in _HELD:
+                # This pid, but a lock this process never took: an earlier process with the same
+                # pid and host (a container restarted in place, where the driver is pid 1 again).
+                return f"it was left by an earlier process with this pid ({holder['pid']})"
         return None
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            holder = _parse(storage.read_text(self.path))
-            if holder is None or holder.get("token") != self.token:
-                return  # taken over after a stall longer than the stale limit: not ours to refresh
-            storage.write_text(self.path, self._body())
+            try:
+                holder = _parse(storage.read_text(self.path))
+                if holder is None or holder.get("token") != self.token:
+                    return  # taken over after a stall longer than the stale limit: not ours to refresh
+                storage.write_text(self.path, self._body())
+            except Exception as err:  # a transient store error: the next beat tries again
+                print(f"warning: could not refresh {self.path}: {type(err).__name__}: {err}", flush=True)
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock, if it is still this driver's."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        holder = _parse(storage.read_text(self.path))
-        if holder is not None and holder.get("token") == self.token:
-            storage.delete(self.path)
+        _HELD.discard(self.token)
+        try:
+            holder = _parse(storage.read_text(self.path))
+            if holder is not None and holder.get("token") == self.token:
+                storage.delete(self.path)
+        except Exception as err:  # must not hide the run's own outcome; the lock goes stale
+            print(f"warning: could not remove {self.path}: {type(err).__name__}: {err}", flush=True)
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 
@@ -110,13 +111,18 @@ def create_exclusive(path: str, text: str) -> bool:
             return False
         write_text(path, text)
         return read_text(path) == text
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole under a private name, then linked into place: the link fails when the file
+    # exists, and a reader never sees the file half-written.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.link(tmp, target)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    finally:
+        tmp.unlink()
     return True
 
 

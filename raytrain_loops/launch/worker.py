@@ -18,7 +18,7 @@ import ray.train.torch
 import torch
 
 from raytrain_loops.config import Config
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
@@ -54,14 +54,21 @@ def _set_threads(config: Config) -> None:
     torch.set_num_threads(threads)
 
 
+def _any_worker(flag: bool) -> bool:
+    votes = torch.tensor([float(flag)], device=dist.collective_device())
+    return dist.all_reduce_sum(votes).item() > 0
+
+
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     config, task, run_dir = payload.config, payload.task, payload.run_dir
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    # A worker of an earlier attempt stopped: a retry would meet it again. Decided together (a
+    # store whose listing lags could show the stop to some workers only).
     stopped = payload.stops.posted()
-    if stopped is not None:  # a worker of an earlier attempt stopped: a retry would meet it again
-        return stopped
+    if _any_worker(stopped is not None):
+        return stopped or Stopped("TrainingError", "a worker of an earlier attempt stopped the run", 0)
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
