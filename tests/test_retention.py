@@ -30,7 +30,7 @@ def _checkpoint(run: Path, step: int) -> Path:
 
 
 def _metrics(step: int, value: float | None) -> dict:
-    return {"step": step, **({"eval_loss": value, "eval_step": step} if value is not None else {})}
+    return {"step": step, **({"eval_loss": value, "evaluated_step": step} if value is not None else {})}
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
@@ -89,7 +89,11 @@ def test_a_checkpoint_whose_report_carries_an_earlier_evaluation_is_not_ranked(t
     # evaluation (every report carries the latest), which says nothing of step 10's weights.
     run = tmp_path / "run"
     keeper = KeepBest(str(run), "eval_loss", "min", keep=2)
-    keeper.after_report(None, [{"step": 10, "eval_step": 0, "eval_loss": 0.1}], Checkpoint(str(_checkpoint(run, 10))))
-    keeper.after_report(None, [{"step": 20, "eval_step": 20, "eval_loss": 0.4}], Checkpoint(str(_checkpoint(run, 20))))
+    keeper.after_report(
+        None, [{"step": 10, "evaluated_step": 0, "eval_loss": 0.1}], Checkpoint(str(_checkpoint(run, 10)))
+    )
+    keeper.after_report(
+        None, [{"step": 20, "evaluated_step": 20, "eval_loss": 0.4}], Checkpoint(str(_checkpoint(run, 20)))
+    )
     ranked = json.loads((run / "best" / "best.json").read_text())
     assert [e["step"] for e in ranked] == [20]

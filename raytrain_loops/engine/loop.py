@@ -304,7 +304,7 @@ class Loop:
         metrics = {**self.metrics, **({"done": 1.0} if done else {}), **self.last_eval}
         metrics.update(step=engine.step, epoch=engine.epoch)
         if self.eval_step is not None:  # the evaluation carried may be older than this step
-            metrics["eval_step"] = self.eval_step
+            metrics["evaluated_step"] = self.eval_step
         if checkpoint_now:
             for cb in self.callbacks:
                 cb.before_checkpoint()

@@ -229,7 +229,7 @@ class KeepBest(UserCallback):
 
     def _rank(self, metrics: dict[str, Any], name: str) -> None:
         score = metrics.get(self.metric)
-        if self.metric.startswith("eval_") and metrics.get("eval_step") != metrics.get("step"):
+        if self.metric.startswith("eval_") and metrics.get("evaluated_step") != metrics.get("step"):
             score = None  # the report carries an earlier step's evaluation: these weights were not evaluated
         index = storage.join(self.run_dir, BEST, "best.json")
         before = json.loads(storage.read_text(index) or "[]")
