@@ -5,9 +5,10 @@ Per step, on every worker (docs/architecture.md places it among the layers):
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others);
 2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
-   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm, and
-   one host read of it: this is the only synchronisation the step adds, and every decision below
-   is taken from the reduced values, so every worker takes the same one;
+   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm and
+   by the criterion's ``stats``, and one host read of it: every decision below is taken from the
+   reduced values, so every worker takes the same one. A task that declares counts adds one
+   small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
 3. :func:`decide`, a pure function of the reduced values: apply, or skip (OOM anywhere, no data
    anywhere, fp16 overflow, non-finite) and possibly raise, the same on all workers; raise when
    the workers' gradient norms differ (DDP left them unsynchronised);

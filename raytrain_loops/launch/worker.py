@@ -93,7 +93,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         print(f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update", flush=True)
     log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world)
     callbacks = [log, SpikeGuard(config.spike), faults]
-    loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale)
+    loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
     except TrainingError as err:
