@@ -15,7 +15,7 @@ import torch
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.data.shapes import CLASSES, ShapesSpec, decode_masks, write_shapes
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, NonFiniteError
 from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
@@ -233,3 +233,27 @@ def test_detr_recipe_end_to_end_logs_its_terms_and_improves(ray_session, tmp_pat
     # The same initial model on the same images at every evaluation; training leaves it behind.
     assert len({e["eval_init_map50"] for e in evals}) == 1, evals
     assert last["eval_map50"] > max(first["eval_map50"], last["eval_init_map50"]), evals
+
+
+def test_a_nonfinite_detr_loss_stops_naming_its_terms_not_a_matching_error(tmp_path):
+    task = build_task("detr", {**SMALL, "dim": 32, "width": 8})
+    task.prepare(tmp_path)
+    table = pq.read_table(task.splits(tmp_path)["train"].path).slice(0, 8)
+    batch = task.collate({k: table.column(k).to_numpy(zero_copy_only=False) for k in ("image", "labels", "boxes")})
+    cfg = load_config(resolve("detr"), ["nonfinite.policy=stop"])
+    torch.manual_seed(0)
+    model = task.build_model()
+    engine = Engine(
+        model,
+        task.criterion,
+        cfg.engine,
+        total_steps=4,
+        task_param_groups=task.param_groups(model),
+        counts=task.counts,
+        count_keys=task.count_keys,
+    )
+    assert engine.train_step([batch]).applied
+    with torch.no_grad():
+        model.box_head[-1].bias.fill_(float("nan"))  # every predicted box is NaN
+    with pytest.raises(NonFiniteError, match=r"module 'box_head.*loss_bbox=nan.*loss_ce=\d"):
+        engine.train_step([batch])

@@ -70,6 +70,9 @@ def hungarian_match(
         + cost_bbox * torch.cdist(pb, tb, p=1)
         - cost_giou * generalized_box_iou(cxcywh_to_xyxy(pb), cxcywh_to_xyxy(tb))
     )
+    # Non-finite predictions still get a matching, so the loss comes out non-finite and the
+    # engine's non-finite policy (not scipy's ValueError) decides what happens.
+    cost = torch.nan_to_num(cost, nan=1e6, posinf=1e6, neginf=-1e6)
     blocks = cost.view(b, q, -1).cpu().numpy()
     out, at = [], 0
     for i, n in enumerate(sizes):
