@@ -16,8 +16,7 @@ from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, StepContext, schedule_value
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
-from raytrain_loops.tasks.dino import knn_accuracy, random_resized_crops, update_center
-from tests.gloo import run_gloo
+from raytrain_loops.tasks.dino import knn_accuracy, random_resized_crops
 
 
 def _recipe(name: str, *overrides: str):
@@ -136,7 +135,7 @@ def test_dino_teacher_follows_its_momentum_schedule_sees_global_views_only_and_l
     task = build_task(cfg.task.name, cfg.task.params)
     torch.manual_seed(0)
     model = task.build_model()
-    engine = Engine(model, task.criterion, cfg.engine, total_steps=total)
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=total, after_step=task.after_step)
     teacher = engine.ema.module
     shapes: dict[str, list] = {"student": [], "teacher": []}
     model.backbone.register_forward_pre_hook(lambda _m, a: shapes["student"].append(tuple(a[0].shape)))
@@ -159,20 +158,6 @@ def test_dino_teacher_follows_its_momentum_schedule_sees_global_views_only_and_l
     engine.epoch = 1
     engine.train_step([batch])
     assert not torch.equal(model.head.last_layer.weight, last_layer), "the last layer must train from epoch 1"
-
-
-def _center_of_two_workers(rank: int, world: int) -> torch.Tensor:
-    center = torch.full((3,), 1.0)
-    # worker 0 holds 2 outputs of 1.0, worker 1 holds 4 outputs of 2.0: the mean is 10 / 6
-    update_center(center, torch.full((2 + 2 * rank, 3), float(rank + 1)), momentum=0.9)
-    return center
-
-
-def test_the_center_is_the_mean_over_all_workers_outputs():
-    outcomes = run_gloo(2, _center_of_two_workers)
-    assert [o.error for o in outcomes] == [None, None], outcomes[0].message
-    for o in outcomes:
-        torch.testing.assert_close(o.value, torch.full((3,), 0.9 + 0.1 * 10 / 6))
 
 
 @pytest.mark.ray

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from raytrain_loops.config.engine import AccumConfig, SpikeConfig
 from raytrain_loops.config.run import Config
@@ -44,7 +43,8 @@ __all__ = [
     "timed_groups",
 ]
 
-EvaluateFn = Callable[[nn.Module, Any], dict[str, tuple[Any, float]]]
+EvaluateFn = Callable[..., dict[str, tuple[Any, float]]]
+MetricsFn = Callable[[], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -176,12 +176,24 @@ def timed_groups(batches: Iterable[Any], k: int) -> Iterator[tuple[list[Any], fl
             return
 
 
-def evaluate(engine: Engine, batches: Iterable[Any], evaluate_fn: EvaluateFn, with_ema: bool) -> dict[str, float]:
+def evaluate(
+    engine: Engine,
+    batches: Iterable[Any],
+    evaluate_fn: EvaluateFn,
+    with_ema: bool,
+    metrics_fn: MetricsFn | None = None,
+) -> dict[str, float]:
     """Evaluate the model (and its EMA, metrics prefixed ``eval_ema_``) on ``batches``; the
-    means over all workers' batches, weighted by their counts."""
+    means over all workers' batches, weighted by their counts.
+
+    ``metrics_fn`` gives fresh split-level metric objects (``torchmetrics.Metric``: ``update``
+    by the task, ``compute`` synchronised over the process group) per model; when it gives any,
+    ``evaluate_fn`` receives them as ``metrics=`` and each is computed after the last batch, on
+    every worker in the same order (a dict result adds its keys, a scalar the metric's name)."""
     models = [("", engine.module)]
     if engine.ema is not None and with_ema:
         models.append(("ema_", engine.ema.module))
+    split_metrics = {prefix: _fresh_metrics(metrics_fn, engine.device) for prefix, _ in models}
     meters = Meters()
     for _, m in models:
         m.eval()
@@ -189,10 +201,24 @@ def evaluate(engine: Engine, batches: Iterable[Any], evaluate_fn: EvaluateFn, wi
         for batch in batches:
             batch = to_device(batch, engine.device)
             for prefix, m in models:
-                for name, (value, count) in evaluate_fn(m, batch).items():
+                mets = split_metrics[prefix]
+                out = evaluate_fn(m, batch, metrics=mets) if mets else evaluate_fn(m, batch)
+                for name, (value, count) in out.items():
                     meters.add(f"eval_{prefix}{name}", value, count)
     engine.model.train()
-    return meters.reduce()
+    results = meters.reduce()
+    for prefix, mets in split_metrics.items():
+        for name in sorted(mets):
+            value = mets[name].compute()
+            items = value.items() if isinstance(value, dict) else [(name, value)]
+            results.update({f"eval_{prefix}{k}": float(v) for k, v in items})
+    return results
+
+
+def _fresh_metrics(metrics_fn: MetricsFn | None, device: torch.device) -> dict[str, Any]:
+    if metrics_fn is None:
+        return {}
+    return {name: metric.to(device) for name, metric in metrics_fn().items()}
 
 
 def _due(every: int, step: int) -> bool:
@@ -215,8 +241,10 @@ class Loop:
         evaluate_fn: EvaluateFn,
         callbacks: Sequence[Callback] = (),
         scale: float = 1.0,
+        metrics_fn: MetricsFn | None = None,
     ):
         self.engine, self.source, self.reporter, self.settings = engine, source, reporter, settings
+        self.metrics_fn = metrics_fn
         self.evaluate_fn, self.callbacks, self.scale = evaluate_fn, list(callbacks), scale
         keys = [cb.state_key for cb in self.callbacks if type(cb).state_dict is not Callback.state_dict]
         if len(set(keys)) < len(keys):
@@ -296,7 +324,9 @@ class Loop:
         engine = self.engine
         if evaluate_now and self.source.has_eval:
             eval_batches = self.source.batches("eval", engine.epoch)
-            self.last_eval.update(evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema))
+            self.last_eval.update(
+                evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema, self.metrics_fn)
+            )
             self.eval_step = engine.step
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)

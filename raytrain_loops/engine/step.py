@@ -5,9 +5,10 @@ Per step, on every worker (docs/architecture.md places it among the layers):
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others);
 2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
-   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm, and
-   one host read of it: this is the only synchronisation the step adds, and every decision below
-   is taken from the reduced values, so every worker takes the same one;
+   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm and
+   by the criterion's ``stats``, and one host read of it: every decision below is taken from the
+   reduced values, so every worker takes the same one. A task that declares counts adds one
+   small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
 3. :func:`decide`, a pure function of the reduced values: apply, or skip (OOM anywhere, no data
    anywhere, fp16 overflow, non-finite) and possibly raise, the same on all workers; raise when
    the workers' gradient norms differ (DDP left them unsynchronised);
@@ -73,22 +74,68 @@ class LossOutput:
     (``sum``). ``sample_size``: the number of units (samples or tokens); in ``sum`` mode gradients
     are divided by its total, in both modes it weights the logged values. ``logs``: named values
     (means over the micro-batch) to log.
+
+    Instead of ``loss``, a criterion may give named ``terms`` and their ``weights`` (DETR's loss
+    dict and weight dict): the loss is then ``sum(weights[k] * terms[k])``, and each term is
+    logged weighted under its name and as is under ``<name>_unscaled``. ``stats``: tensors summed
+    over this update's micro-batches and all workers inside the step's all-reduce, handed to the
+    engine's ``after_step`` hook when the update is applied (DINO's centre).
     """
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None = None
     sample_size: int | float | torch.Tensor = 1
     logs: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.terms:
+            if self.loss is None:
+                raise ValueError("a LossOutput needs a loss, or loss terms and their weights")
+            return
+        if self.loss is not None:
+            raise ValueError("a LossOutput takes a loss or weighted terms, not both: the terms make the loss")
+        missing = sorted(set(self.terms) - set(self.weights))
+        if missing:
+            raise ValueError(f"loss terms {missing} have no weight; the weights name {sorted(self.weights)}")
+        self.loss = sum(t * self.weights[k] for k, t in self.terms.items())
+
+    def term_logs(self) -> dict[str, torch.Tensor]:
+        """Each term weighted under its name and as is under ``<name>_unscaled`` (detached)."""
+        out = {}
+        for k, t in self.terms.items():
+            t = t.detach()
+            out[k] = t * self.weights[k]
+            out[f"{k}_unscaled"] = t
+        return out
 
 
 @dataclass
 class StepContext:
-    """What a criterion may read: counters, this step's schedule values, the EMA/teacher model."""
+    """What a criterion may read: counters, this step's schedule values, the EMA/teacher model,
+    and ``totals``: the counts the task declared (``Engine(counts=...)``), summed over this
+    update's micro-batches on all workers before any forward pass. ``slots`` is the number of
+    micro-batch places the update averages over (workers x micro-batches, ``None`` ones
+    included)."""
 
     step: int
     epoch: int
     values: dict[str, float]
     ema: nn.Module | None
     micro_index: int = 0
+    totals: dict[str, float] = field(default_factory=dict)
+    slots: int = 1
+
+    def per_slot(self, name: str) -> float:
+        """``totals[name]`` over ``slots``: with ``loss.reduction=mean``, a micro-batch's sum
+        divided by it becomes, after the engine's and DDP's averaging, the sum over the whole
+        update divided by the global count (DETR's ``num_boxes``)."""
+        if name not in self.totals:
+            raise KeyError(
+                f"ctx.totals has no {name!r} (it has {sorted(self.totals)}): declare it in the task's count_keys"
+            )
+        return self.totals[name] / self.slots
 
 
 LossFn = Callable[[nn.Module, Any, StepContext], LossOutput]
@@ -125,6 +172,13 @@ class _Local:
     ooms: int = 0
     losses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (micro-batch index, loss)
     logs: list[tuple[dict[str, Any], Any]] = field(default_factory=list)  # (criterion logs, weight)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over micro-batches
+    term_sums: dict[str, float] = field(default_factory=dict)  # unscaled terms, for error messages
+
+    def add_stats(self, stats: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+        for k, v in stats.items():
+            v = v.detach().double().flatten() * weight
+            self.stats[k] = v if k not in self.stats else self.stats[k] + v
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -162,6 +216,9 @@ class Engine:
         *,
         total_steps: int,
         task_param_groups: list[dict[str, Any]] | None = None,
+        counts: Callable[[Any], dict[str, float]] | None = None,
+        count_keys: Sequence[str] = (),
+        after_step: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None,
     ):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine takes an EngineConfig (a run config's .engine), not {type(config).__name__}")
@@ -193,6 +250,10 @@ class Engine:
             raise ValueError(
                 f"freeze.last_layer_pattern={config.freeze.last_layer_pattern!r} matches no parameter of the model"
             )
+        if bool(counts) != bool(count_keys):
+            raise ValueError("Engine: counts and count_keys go together (the keys fix the all-reduce's layout)")
+        self._counts, self._count_keys = counts, tuple(count_keys)
+        self._after_step = after_step
         self.meters = Meters()
         self._dummy: Any = None
         # Counters: all part of the saved state.
@@ -219,18 +280,27 @@ class Engine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         ctx = StepContext(self.step, self.epoch, values, self.ema.module if self.ema else None)
+        ctx.slots = self.world_size * len(micro_batches)
+        ctx.totals = self._totals(micro_batches)
         local = self._forward_backward(micro_batches, ctx)
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self._params if p.grad is not None]
-        reduced = self._reduce(local, grads)
+        reduced, stats = self._reduce(local, grads)
+        if stats and self._after_step is None:
+            raise ValueError(
+                f"the criterion returned stats {sorted(stats)} but the Engine has no after_step to take them "
+                "(pass after_step=task.after_step)"
+            )
         decision = decide(reduced, fp16=self.scaler.is_enabled())
         if decision is Decision.APPLY:
             self._apply(reduced, grads, values["ema_momentum"])
+            if self._after_step is not None and stats:
+                self._after_step(self.module, stats)
             compute = time.perf_counter() - start
             self._log_step(local.logs, reduced, values["lr"], compute, data_time)
         else:
-            self._skip(decision, micro_batches, local.losses, ctx)
+            self._skip(decision, micro_batches, local, ctx)
             compute = time.perf_counter() - start
         return StepResult(decision, reduced.loss, reduced.sample_size, reduced.grad_norm, values["lr"], compute)
 
@@ -242,7 +312,7 @@ class Engine:
             ctx.micro_index = i
             last = i == k - 1
             if batch is None:
-                self._join_with_dummy(ctx, last)
+                self._join_with_dummy(ctx, last, local)
                 continue
             batch = to_device(batch, self.device)
             if self._dummy is None:
@@ -267,19 +337,45 @@ class Engine:
                     ) from err
                 # Counted, and decided by all workers alike after the all-reduce (oom.policy).
                 local.ooms += 1
-                self._recover_from_oom(ctx, last, err)
+                self._recover_from_oom(ctx, last, err, local)
                 continue
             loss = out.loss.detach().float()
             local.losses.append((i, loss))
             local.loss_sum = local.loss_sum + loss
             local.sample_size = local.sample_size + out.sample_size
             local.terms += 1.0
-            local.logs.append((out.logs, out.sample_size))
+            local.add_stats(out.stats)
+            if out.terms:
+                local.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
+                for name, t in out.terms.items():
+                    local.term_sums[name] = local.term_sums.get(name, 0.0) + t.detach().float()
+            else:
+                local.logs.append((out.logs, out.sample_size))
         self.counts["micro_batches"] += k
         return local
 
-    def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> Reduced:
-        """The step's one all-reduce and its one host read."""
+    def _totals(self, micro_batches: Sequence[Any]) -> dict[str, float]:
+        """The task's counts summed over this update's micro-batches and all workers: one
+        all-reduce, on every worker whatever its data (a ``None`` micro-batch counts zero), and
+        none when the task declares no counts."""
+        if self._counts is None:
+            return {}
+        sums = dict.fromkeys(self._count_keys, 0.0)
+        for batch in micro_batches:
+            if batch is None:
+                continue
+            counts = self._counts(batch)
+            if set(counts) != set(sums):
+                raise ValueError(f"Task.counts returned keys {sorted(counts)}; its count_keys are {sorted(sums)}")
+            for key, n in counts.items():
+                sums[key] += float(n)
+        packed = torch.tensor([sums[k] for k in self._count_keys], dtype=torch.float64, device=self._cdev)
+        dist.all_reduce_sum(packed)
+        return dict(zip(self._count_keys, packed.tolist(), strict=True))
+
+    def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
+        """The step's one all-reduce and its one host read; the criterion's ``stats`` ride along
+        (summed over micro-batches and workers)."""
         norm_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else 0.0
         packed = torch.stack(
             [
@@ -293,8 +389,17 @@ class Engine:
             slots = torch.zeros(self.world_size, dtype=torch.float64, device=self._cdev)
             slots[dist.rank()] = packed[4]
             packed = torch.cat([packed, slots])
+        head = packed.numel()
+        names = sorted(local.stats)
+        if names:
+            packed = torch.cat([packed, *(local.stats[k].to(self._cdev) for k in names)])
         dist.all_reduce_sum(packed)
-        return Reduced.from_sums(packed.tolist(), mean=self._mean, world=self.world_size)
+        stats, at = {}, head
+        for k in names:
+            n = local.stats[k].numel()
+            stats[k] = packed[at : at + n].to(self.device)
+            at += n
+        return Reduced.from_sums(packed[:head].tolist(), mean=self._mean, world=self.world_size), stats
 
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
@@ -319,7 +424,7 @@ class Engine:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def _join_with_dummy(self, ctx: StepContext, last: bool) -> None:
+    def _join_with_dummy(self, ctx: StepContext, last: bool, local: _Local | None = None) -> None:
         """Run a zero-weight forward/backward so DDP's all-reduce on the last micro-batch still
         gets this worker's (zero) contribution; off the last micro-batch nothing is needed."""
         if not (last and self._ddp and self.world_size > 1):
@@ -332,14 +437,17 @@ class Engine:
         with self._sync(True), autocast(self.config.precision, self.device):
             out = self.loss_fn(self.model, self._dummy, ctx)
         (out.loss * 0.0).backward()
+        if local is not None:
+            # Zero-weight stats give the step's all-reduce the same layout on every worker.
+            local.add_stats(out.stats, 0.0)
 
-    def _recover_from_oom(self, ctx: StepContext, last: bool, err: BaseException) -> None:
+    def _recover_from_oom(self, ctx: StepContext, last: bool, err: BaseException, local: _Local) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            self._join_with_dummy(ctx, last)
+            self._join_with_dummy(ctx, last, local)
         except Exception as again:
             # The other workers wait in DDP's all-reduce for this one: only a restart of the
             # group (from the last checkpoint) ends that wait on every worker.
@@ -377,7 +485,7 @@ class Engine:
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
 
-    def _skip(self, decision: Decision, micro_batches: Sequence[Any], losses, ctx: StepContext) -> None:
+    def _skip(self, decision: Decision, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> None:
         """Drop the update on every worker, count it, and raise when a limit or policy says stop.
         Every skip closes the loss scaler's step (``unscale_`` ran), so the next step can run."""
         if decision is Decision.SKIP_EMPTY:
@@ -393,9 +501,7 @@ class Engine:
         self.counts[reason] += 1
         self._in_a_row[reason] += 1
         # The error is worked out while the gradients are still there: the detector may name one.
-        error = (
-            self._oom_error() if decision is Decision.SKIP_OOM else self._nonfinite_error(micro_batches, losses, ctx)
-        )
+        error = self._oom_error() if decision is Decision.SKIP_OOM else self._nonfinite_error(micro_batches, local, ctx)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
             self.scaler.update()
@@ -425,22 +531,22 @@ class Engine:
             f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
         )
 
-    def _nonfinite_error(self, micro_batches: Sequence[Any], losses, ctx: StepContext) -> NonFiniteError | None:
+    def _nonfinite_error(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> NonFiniteError | None:
         cfg = self.config.nonfinite
         if cfg.policy == "stop":
-            return NonFiniteError(self._describe_nonfinite(micro_batches, losses, ctx))
+            return NonFiniteError(self._describe_nonfinite(micro_batches, local, ctx))
         if self._in_a_row["nonfinite"] < cfg.max_consecutive:
             return None
         return NonFiniteError(
             f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
-            f"(nonfinite.max_consecutive={cfg.max_consecutive}); "
-            + self._describe_nonfinite(micro_batches, losses, ctx)
+            f"(nonfinite.max_consecutive={cfg.max_consecutive}); " + self._describe_nonfinite(micro_batches, local, ctx)
         )
 
-    def _describe_nonfinite(self, micro_batches: Sequence[Any], losses, ctx: StepContext) -> str:
-        """Name the first module whose output was non-finite, agreed by all workers (collective)."""
+    def _describe_nonfinite(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> str:
+        """Name the first module whose output was non-finite, agreed by all workers, and the loss
+        terms' means over all workers' micro-batches (one collective)."""
         where = None
-        bad = [i for i, loss in losses if not bool(torch.isfinite(loss))]
+        bad = [i for i, loss in local.losses if not bool(torch.isfinite(loss))]
         if bad:
             batch = to_device(micro_batches[bad[0]], self.device)
             ctx.micro_index = bad[0]
@@ -452,12 +558,21 @@ class Engine:
             module = first_nonfinite_module(self.module, rerun)
             where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
             where += f" on worker {dist.rank()}, micro-batch {bad[0]}"
-        reports = dist.all_gather_object(where)
-        first = next((r for r in reports if r), None)
+        terms = {k: float(v) for k, v in local.term_sums.items()}
+        reports = dist.all_gather_object((where, terms, len(local.losses)))
+        first = next((r for r, _, _ in reports if r), None)
         if first is None:
             param = first_nonfinite_grad(self.module)
             first = f"the gradient of parameter '{param}'" if param else "an unknown place"
-        return f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
+        message = f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
+        n = sum(count for _, _, count in reports)
+        names = sorted({k for _, t, _ in reports for k in t})
+        if names and n:
+            means = {k: sum(t.get(k, 0.0) for _, t, _ in reports) / n for k in names}
+            message += "; loss terms over all workers (unscaled means): " + ", ".join(
+                f"{k}={v:.6g}" for k, v in means.items()
+            )
+        return message
 
     def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
         m = self.meters

@@ -81,7 +81,16 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     scale = config.scaling.num_workers / world  # > 1 when an elastic group runs short
     total = total_steps(config.loop, config.accum, source.batches_per_epoch, scale)
     faults = Faults(config.fault.plan, rank, run_dir)
-    engine = Engine(model, faults.wrap_loss(task.criterion), config.engine, total_steps=total, task_param_groups=groups)
+    engine = Engine(
+        model,
+        faults.wrap_loss(task.criterion),
+        config.engine,
+        total_steps=total,
+        task_param_groups=groups,
+        counts=task.counts if task.count_keys else None,
+        count_keys=task.count_keys,
+        after_step=task.after_step,
+    )
     reporter = RayReporter(engine, rank, world, run_dir)
     position = reporter.restore(payload.init_checkpoint) or Position()
     if rank == 0 and reporter.loaded:
@@ -91,7 +100,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         print(f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update", flush=True)
     log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world)
     callbacks = [log, SpikeGuard(config.spike), faults]
-    loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale)
+    loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
     except TrainingError as err:

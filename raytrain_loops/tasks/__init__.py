@@ -2,15 +2,17 @@
 
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task
 from raytrain_loops.tasks.cvnets import CvnetsTask
+from raytrain_loops.tasks.detr import DetrTask
 from raytrain_loops.tasks.digits import DigitsTask
 from raytrain_loops.tasks.dino import DinoTask
 from raytrain_loops.tasks.lm import LMTask
 
-BUILTIN = {"digits": DigitsTask, "cvnets": CvnetsTask, "dino": DinoTask, "lm": LMTask}
+BUILTIN = {"digits": DigitsTask, "cvnets": CvnetsTask, "dino": DinoTask, "detr": DetrTask, "lm": LMTask}
 
 __all__ = [
     "BUILTIN",
     "CvnetsTask",
+    "DetrTask",
     "DigitsTask",
     "DinoTask",
     "EvalOutput",

@@ -67,14 +67,37 @@ class Task:
     def criterion(self, model: nn.Module, batch: Any, ctx: StepContext) -> LossOutput:
         raise NotImplementedError
 
-    def evaluate(self, model: nn.Module, batch: Any) -> EvalOutput:
+    def evaluate(self, model: nn.Module, batch: Any, metrics: dict[str, Any] | None = None) -> EvalOutput:
         """Metrics of one evaluation batch as (mean, count) pairs; they are averaged over all
-        batches and workers weighted by count. Runs under ``torch.no_grad`` and autocast."""
+        batches and workers weighted by count. Runs under ``torch.no_grad`` and autocast.
+        ``metrics``: this evaluation's :meth:`eval_metrics`, when the task declares any."""
         return {}
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]] | None:
         """Parameter groups for ``optim.param_groups=task`` (the first is the regularised one)."""
         return None
+
+    count_keys: tuple[str, ...] = ()
+    """The names of :meth:`counts`; empty: the task counts nothing and the step runs no extra
+    all-reduce."""
+
+    def counts(self, batch: Any) -> dict[str, float]:
+        """Counts of one training micro-batch (e.g. ``{"boxes": 7}``), one per name of
+        ``count_keys``. The engine sums them over the update's micro-batches and all workers
+        (one all-reduce before the forward passes) and hands the totals to the criterion as
+        ``ctx.totals``: global normalisers without a collective in the criterion."""
+        return {}
+
+    def after_step(self, model: nn.Module, stats: dict[str, torch.Tensor]) -> None:
+        """Called after every applied update with the criterion's ``LossOutput.stats`` summed
+        over the update's micro-batches and all workers (inside the step's own all-reduce)."""
+
+    def eval_metrics(self) -> dict[str, Any]:
+        """Split-level evaluation metrics: fresh ``torchmetrics.Metric`` objects for one
+        evaluation of one model. When there are any, :meth:`evaluate` receives them as the
+        keyword ``metrics`` and updates them batch by batch; after the split each is computed
+        over all workers' batches (a dict result adds its keys, a scalar its name)."""
+        return {}
 
 
 def _describe(obj: Any) -> str:

@@ -6,8 +6,10 @@ engine's EMA of the student (``ctx.ema``, momentum ``schedules.ema_momentum``), 
 global views. The loss is the cross-entropy between the teacher's centred and sharpened output
 (temperature ``schedules.teacher_temp``) and the student's, over every pair of a global view and
 another view. The centre is a buffer of the student (checkpointed with it), updated after every
-loss with the teacher's batch mean averaged over all workers: one all-reduce per criterion call,
-which every worker makes equally often (Ray Data gives each the same number of batches).
+applied update with the mean of the teacher's outputs over the update's micro-batches on all
+workers: the criterion returns their sum and count as ``LossOutput.stats``, which the engine
+sums inside the step's own all-reduce (so no criterion call runs a collective, whatever the
+number of calls per worker) and hands to :meth:`DinoTask.after_step`.
 Collapse indicators are logged every step: ``teacher_entropy`` (of the targets; log(out_dim) when
 uniform, 0 when one-hot), ``kl`` (teacher || student) and ``feature_std`` (below).
 
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.config import ConfigError
-from raytrain_loops.engine import LossOutput, StepContext, dist, unwrap
+from raytrain_loops.engine import LossOutput, StepContext, unwrap
 from raytrain_loops.tasks.base import EvalOutput
 from raytrain_loops.tasks.digits import COLUMNS, DigitsTask, SmallCNN
 
@@ -170,13 +172,18 @@ def dino_loss(
     return total / pairs, targets
 
 
+def center_stats(teacher_out: torch.Tensor) -> torch.Tensor:
+    """The teacher outputs' sum and count, ``[sum..., n]``: summable over micro-batches and workers."""
+    out = teacher_out.detach().float()
+    return torch.cat([out.sum(0), out.new_tensor([out.shape[0]])])
+
+
 @torch.no_grad()
-def update_center(center: torch.Tensor, teacher_out: torch.Tensor, momentum: float) -> None:
-    """``center = momentum * center + (1 - momentum) * mean of the teacher outputs`` over every
-    worker's batch (one all-reduce when a process group runs)."""
-    stats = torch.cat([teacher_out.float().sum(0), teacher_out.new_tensor([teacher_out.shape[0]], dtype=torch.float)])
-    dist.all_reduce_sum(stats)
-    center.mul_(momentum).add_(stats[:-1] / stats[-1], alpha=1.0 - momentum)
+def update_center(center: torch.Tensor, sums: torch.Tensor, momentum: float) -> None:
+    """``center = momentum * center + (1 - momentum) * mean``, the mean from ``sums``
+    (:func:`center_stats` summed over every micro-batch and worker); nothing when it counts none."""
+    if sums[-1] > 0:
+        center.mul_(momentum).add_((sums[:-1] / sums[-1]).to(center.dtype), alpha=1.0 - momentum)
 
 
 def feature_std(features: torch.Tensor) -> torch.Tensor:
@@ -296,9 +303,6 @@ class DinoTask(DigitsTask):
         loss, targets = dino_loss(
             student_out, teacher_out, center, 2 + self.local_crops, self.student_temp, ctx.values[TEACHER_TEMP]
         )
-        # Not when the engine re-runs a micro-batch under no_grad to locate a non-finite value.
-        if torch.is_grad_enabled():
-            update_center(center, teacher_out, self.center_momentum)
         entropy = -(targets * targets.clamp_min(1e-12).log()).sum(-1).mean()
         logs = {
             "teacher_entropy": entropy,
@@ -308,9 +312,12 @@ class DinoTask(DigitsTask):
             "feature_std": feature_std(teacher_features),
             TEACHER_TEMP: ctx.values[TEACHER_TEMP],
         }
-        return LossOutput(loss, sample_size=len(x), logs=logs)
+        return LossOutput(loss, sample_size=len(x), logs=logs, stats={"center": center_stats(teacher_out)})
 
-    def evaluate(self, model: nn.Module, batch) -> EvalOutput:
+    def after_step(self, model: nn.Module, stats: dict[str, torch.Tensor]) -> None:
+        update_center(unwrap(model).center, stats["center"], self.center_momentum)
+
+    def evaluate(self, model: nn.Module, batch, metrics=None) -> EvalOutput:
         if self._initial_backbone is None or self.bank_path is None:
             raise RuntimeError("DinoTask.evaluate needs prepare() and build_model() to have run")
         x, y = batch
