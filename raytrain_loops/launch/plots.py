@@ -1,4 +1,5 @@
-"""A PNG of a run's curves: training loss, learning rate and evaluation metrics against the step."""
+"""A PNG of a run's curves: training loss, learning rate and evaluation metrics (scores apart
+from losses and errors) against the step."""
 
 from __future__ import annotations
 
@@ -24,19 +25,27 @@ def plot_run(run_dir: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    names = sorted({k for r in evals for k in r if k.startswith("eval_")})
+    series = {n: [(r["step"], r[n]) for r in evals if isinstance(r.get(n), int | float)] for n in names}
+    # Scores (accuracy, mAP, IoU: higher is better) apart from losses and errors, whose scale
+    # would flatten them.
+    lower_is_better = ("loss", "error", "bpb")
+    others = [n for n in names if series[n] and any(w in n for w in lower_is_better)]
+    scores = [n for n in names if series[n] and n not in others]
+    panels = [("evaluation: scores", scores), ("evaluation: losses and errors", others)]
+    panels = [p for p in panels if p[1]] or [("evaluation", [])]
+    fig, axes = plt.subplots(1, 2 + len(panels), figsize=(5 * (2 + len(panels)), 4))
     x = [r["step"] for r in steps]
     axes[0].plot(x, [r["loss"] for r in steps], lw=0.8)
     axes[0].set(title="training loss", xlabel="step", yscale="log")
     axes[1].plot(x, [r["lr"] for r in steps])
     axes[1].set(title="learning rate", xlabel="step")
-    names = sorted({k for r in evals for k in r if k.startswith("eval_")})
-    for name in names:
-        pts = [(r["step"], r[name]) for r in evals if name in r]
-        axes[2].plot(*zip(*pts, strict=True), marker="o", label=name)
-    axes[2].set(title="evaluation", xlabel="step")
-    if names:
-        axes[2].legend(fontsize=8)
+    for ax, (title, group) in zip(axes[2:], panels, strict=True):
+        for name in group:
+            ax.plot(*zip(*series[name], strict=True), marker="o", label=name)
+        ax.set(title=title, xlabel="step")
+        if group:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     out = os.path.join(run_dir, "curves.png")
     fig.savefig(out, dpi=100)
