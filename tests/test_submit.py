@@ -192,6 +192,7 @@ def test_two_node_cluster_runs_one_training_worker_on_each_node_and_shards_alike
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.ray
 def test_unauthenticated_requests_are_refused(head, tmp_path):
     assert _get(f"{head['url']}/api/jobs/", None) == 401
     assert _get(f"{head['url']}/api/jobs/", "0" * 32) == 403
