@@ -64,17 +64,17 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     config, task, run_dir = payload.config, payload.task, payload.run_dir
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    # A worker of an earlier attempt stopped: a retry would meet it again. Decided together (a
-    # store whose listing lags could show the stop to some workers only).
-    stopped = payload.stops.posted()
-    if _any_worker(stopped is not None):
-        return stopped or Stopped("TrainingError", "a worker of an earlier attempt stopped the run", 0)
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
     module = task.build_model()
     groups = task.param_groups(module) if config.optim.param_groups == "task" else None
-    model = ray.train.torch.prepare_model(module)
+    model = ray.train.torch.prepare_model(module)  # on GPUs, after it this worker's device is set
+    # A worker of an earlier attempt stopped: a retry would meet it again. Decided together (a
+    # store whose listing lags could show the stop to some workers only).
+    stopped = payload.stops.posted()
+    if _any_worker(stopped is not None):
+        return stopped or Stopped("TrainingError", "a worker of an earlier attempt stopped the run", 0)
     seed_everything(config.loop.seed + 1 + rank)  # distinct dropout and augmentation per worker
 
     source = RayBatches(task, config, payload.splits, payload.rows, rank, world)
