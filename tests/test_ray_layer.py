@@ -127,11 +127,14 @@ def test_the_trainer_shards_parquet_splits_in_order_and_regardless_of_where_work
     # decide which rows it gets.
     from examples.custom_task import SpiralTask
     from raytrain_loops.config import load_config
+    from raytrain_loops.launch.stops import StopBoard
     from raytrain_loops.launch.trainer import build_trainer
 
     task = SpiralTask()
     config = load_config(None, [f"run.storage_path={tmp_path}"])
-    trainer = build_trainer(config, task, task.splits(tmp_path), {"train": 2048}, "shards", str(tmp_path / "shards"))
+    run_dir = str(tmp_path / "shards")
+    board = StopBoard.new(run_dir, config.scaling.num_workers)
+    trainer = build_trainer(config, task, task.splits(tmp_path), {"train": 2048}, "shards", run_dir, board=board)
     assert trainer.data_config._enable_shard_locality is False
     assert trainer.data_config._resolve_execution_options("train").preserve_order is True
 

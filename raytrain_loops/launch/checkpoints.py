@@ -119,8 +119,13 @@ class RayReporter:
         except Exception as err:  # every worker learns of it below, instead of waiting on the others
             failure = err
         if position is None and failure is None and skipped:
-            self.loaded = {"checkpoint": None, "model_sha256": None, "world_size": self.world, "skipped": skipped}
-            self.loaded["started_fresh"] = True
+            self.loaded = {
+                "checkpoint": None,
+                "model_sha256": None,
+                "world_size": self.world,
+                "skipped": skipped,
+                "started_fresh": True,
+            }
         agree(self.loaded, self.rank, failure)
         return position
 

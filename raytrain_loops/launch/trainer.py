@@ -102,7 +102,8 @@ def build_trainer(
     run_dir: str,
     callbacks: list[Any] | None = None,
     init_checkpoint: str | None = None,
-    board: StopBoard | None = None,
+    *,
+    board: StopBoard,
 ) -> TorchTrainer:
     """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
@@ -116,7 +117,6 @@ def build_trainer(
     # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
     # copies the driver's DataContext when the trainer is built.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    board = board or StopBoard.new(run_dir, config.scaling.num_workers)
     payload = WorkerPayload(config, task, splits, rows, run_dir, board, init_checkpoint)
     return TorchTrainer(
         functools.partial(train_loop_per_worker, payload),

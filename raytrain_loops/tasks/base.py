@@ -100,6 +100,14 @@ class Task:
         return {}
 
 
+def params_at_least(*checks: tuple[str, float, float]) -> None:
+    """Raise ConfigError naming ``task.params.<key>`` for the first ``(key, value, minimum)``
+    whose value is below its minimum."""
+    for key, value, low in checks:
+        if value < low:
+            raise ConfigError(f"task.params.{key}", f"must be >= {low}; got {value}")
+
+
 def _describe(obj: Any) -> str:
     if isinstance(obj, type):
         return f"class {obj.__module__}.{obj.__qualname__}"

@@ -32,7 +32,7 @@ from torch import nn
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, write_shapes
 from raytrain_loops.engine import LossOutput, StepContext
-from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
+from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task, params_at_least
 from raytrain_loops.tasks.detection import (
     MeanAveragePrecision,
     cxcywh_to_xyxy,
@@ -161,16 +161,14 @@ class DetrTask(Task):
         aux_loss: bool = True,
         **data: Any,
     ):
-        for key, value, low in (
+        params_at_least(
             ("num_queries", num_queries, 1),
             ("dim", dim, 1),
             ("heads", heads, 1),
             ("enc_layers", enc_layers, 0),
             ("dec_layers", dec_layers, 1),
             ("width", width, 1),
-        ):
-            if value < low:
-                raise ConfigError(f"task.params.{key}", f"must be >= {low}; got {value}")
+        )
         if dim % heads:
             raise ConfigError("task.params.dim", f"must be a multiple of heads={heads}; got {dim}")
         if not 0.0 < eos_coef <= 1.0:

@@ -35,7 +35,7 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext, unwrap
-from raytrain_loops.tasks.base import EvalOutput
+from raytrain_loops.tasks.base import EvalOutput, params_at_least
 from raytrain_loops.tasks.digits import COLUMNS, DigitsTask, SmallCNN
 
 TEACHER_TEMP = "teacher_temp"
@@ -233,7 +233,7 @@ class DinoTask(DigitsTask):
         center_momentum: float = 0.9,
         knn_k: int = 20,
     ):
-        for key, value, low in (
+        params_at_least(
             ("width", width, 1),
             ("out_dim", out_dim, 2),
             ("hidden_dim", hidden_dim, 1),
@@ -241,9 +241,7 @@ class DinoTask(DigitsTask):
             ("local_crops", local_crops, 0),
             ("local_size", local_size, 2),
             ("knn_k", knn_k, 1),
-        ):
-            if value < low:
-                raise ConfigError(f"task.params.{key}", f"must be >= {low}; got {value}")
+        )
         for key, scale in (("global_scale", global_scale), ("local_scale", local_scale)):
             if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
                 raise ConfigError(
