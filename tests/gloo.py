@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ class WorkerOutcome:
     value: Any = None
     error: str | None = None
     message: str = ""
+    seconds: float = 0.0  # in ``fn``, after the group was joined: process start-up is left out
 
 
 def _free_port() -> int:
@@ -40,10 +42,12 @@ def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    start = time.perf_counter()
     try:
         outcome = WorkerOutcome(value=fn(rank, world, *args))
     except Exception as err:  # reported to the test, which decides whether it was expected
         outcome = WorkerOutcome(error=type(err).__name__, message=f"{err}\n{traceback.format_exc()}")
+    outcome.seconds = time.perf_counter() - start
     torch.save(outcome.__dict__, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -3,8 +3,6 @@ every worker takes together (non-finite, OOM) without hanging."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -190,16 +188,17 @@ def test_repeated_oom_is_a_clear_error_on_both_ranks():
 
 
 def _ended_together(*args) -> tuple[list, float]:
-    start = time.perf_counter()
-    outcomes = run_gloo(2, _oom_on_rank0, *args, timeout=60)
-    return outcomes, time.perf_counter() - start
+    """The outcomes, and the longest time a worker spent in the test function. A worker left
+    waiting in a collective would spend the group's 30 s timeout there."""
+    outcomes = run_gloo(2, _oom_on_rank0, *args)
+    return outcomes, max(o.seconds for o in outcomes)
 
 
 def test_oom_with_policy_raise_on_one_worker_raises_on_both():
     outcomes, seconds = _ended_together("before_forward", (1,), 2, "raise")
     assert [o.error for o in outcomes] == ["OOMError", "OOMError"], [o.message for o in outcomes]
     assert all("oom.policy=raise" in o.message and "at step 1" in o.message for o in outcomes)
-    assert seconds < 30
+    assert seconds < 20
 
 
 def test_oom_on_the_first_step_with_one_micro_batch_is_skipped_on_both():
@@ -211,7 +210,7 @@ def test_oom_on_the_first_step_with_one_micro_batch_is_skipped_on_both():
         assert o.value["skipped"] == ["oom", None, None, None, None, None]
     for name, p in outcomes[0].value["params"].items():
         assert torch.equal(p, outcomes[1].value["params"][name]), name
-    assert seconds < 30
+    assert seconds < 20
 
 
 def test_oom_in_the_synchronising_backward_ends_every_worker_as_a_retryable_failure():
@@ -220,7 +219,7 @@ def test_oom_in_the_synchronising_backward_ends_every_worker_as_a_retryable_fail
     assert outcomes[0].error == "GroupBrokenError", outcomes[0].message
     assert "backward pass of the synchronising micro-batch on worker 0 at step 1" in outcomes[0].message
     assert outcomes[1].error is not None  # the other worker's all-reduce fails: it does not wait on
-    assert seconds < 30
+    assert seconds < 20
 
 
 def _rank_dependent_metric(rank: int, world: int):

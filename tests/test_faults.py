@@ -139,7 +139,10 @@ def test_a_stop_decided_by_one_worker_alone_ends_every_worker_within_seconds(ray
     with pytest.raises(TrainingStopped, match=r"TrainingError at step 3: worker 1 alone decided to stop"):
         fit(resolve("default"), overrides=overrides)
     ended = time.time()
-    assert ended - float((record / "stopped").read_text()) < 30
+    # Before the posted stop, worker 0 waited in DDP's all-reduce until gloo's 30-minute timeout.
+    # The bound covers Ray ending the group and starting the second one, which finds the stop:
+    # 10-20 s on a quiet 2-core machine, up to about 40 s beside other test processes.
+    assert ended - float((record / "stopped").read_text()) < 75
     run = tmp_path / "runs" / "alone"
     # Worker 0 ran the 2 micro-batches of steps 1-3 once each, and was waiting for worker 1 in
     # step 4 when the group ended; the restarted group trained nothing.
