@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput, LossScaleError, NonFiniteError, schedule_value
+from raytrain_loops.engine.length import epochs_in_run
 from raytrain_loops.engine.loop import accum_steps, timed_groups
 from tests import fakes
 
@@ -333,6 +334,16 @@ def test_per_epoch_schedules_follow_the_epoch_and_count_warmup_and_milestones_in
     assert engine.values()["lr"] == pytest.approx((4 / 9) ** 0.9)
     with pytest.raises(ValueError, match="total_epochs"):
         Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100)
+
+
+def test_the_runs_epochs_for_per_epoch_schedules_follow_loop_epochs_or_max_steps():
+    # 10 batches per worker: 10 updates per epoch before accum.start_epoch=2, then 2 (5 micro-batches each).
+    cfg = load_config(None, ["loop.epochs=4", "accum.steps=5", "accum.start_epoch=2"])
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 4
+    cfg.loop.max_steps = 21  # epochs 0-1 hold 20 updates: the 21st falls in epoch 2
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 3
+    cfg.loop.max_steps = 30  # past loop.epochs: 20 + 2 * 5 updates end in epoch 6
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 7
 
 
 def test_criterion_sees_named_schedule_values():
