@@ -207,7 +207,7 @@ class Config:
     optim: OptimConfig = opt(OptimConfig(), "Optimizer and parameter groups.")
     schedules: dict[str, Schedule] = opt(
         default_schedules(),
-        "Values as functions of the step: lr, weight_decay, ema_momentum, and any named value for the criterion.",
+        "Values as functions of the step (or epoch): lr, weight_decay, ema_momentum, and any named value for the criterion.",
     )
     precision: PrecisionConfig = opt(PrecisionConfig(), "Autocast and loss scaling.")
     accum: AccumConfig = opt(AccumConfig(), "Gradient accumulation.")
