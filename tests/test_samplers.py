@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from examples.custom_task import CONFIG, SpiralTask, spirals
 from raytrain_loops.config import load_config
 from raytrain_loops.data import GroupedBatchSampler, MapBatches
 from raytrain_loops.engine import Engine
@@ -225,3 +226,44 @@ def test_a_grouped_run_resumed_mid_epoch_ends_with_the_same_weights_having_seen_
         assert len(rows) == len(set(rows)) == 54, f"epoch {epoch}: a row used twice"
         batches = [ids for o in outcomes for e, ids, _ in o.value["seen"] if e == epoch]
         assert all(len({RESUME_GROUPS[i] for i in b}) == 1 for b in batches)
+
+
+# ---------------------------------------------------------------- on Ray
+
+
+def quadrants(points: torch.Tensor) -> list[int]:
+    return ((points[:, 0] > 0).long() * 2 + (points[:, 1] > 0).long()).tolist()
+
+
+class QuadrantSpirals(SpiralTask):
+    """The spirals task with its training rows grouped by the quadrant they lie in."""
+
+    def splits(self, data_dir):
+        train = spirals(300, seed=0)
+        sampler = functools.partial(GroupedBatchSampler, quadrants(train.tensors[0]))
+        return {"train": MapSplit(train, batch_sampler=sampler), "eval": MapSplit(spirals(64, seed=1))}
+
+
+@pytest.mark.ray
+def test_a_ray_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_schedule(ray_session, tmp_path):
+    import json
+    from pathlib import Path
+
+    from raytrain_loops import fit
+
+    config = {
+        **CONFIG,
+        "loop": {"epochs": 3, "seed": 4},
+        "data": {"batch_size": 16},
+        "schedules": {"lr": {"kind": "poly", "per": "epoch", "value": 0.02, "power": 1.0, "end": 0.005}},
+        "run": {"storage_path": str(tmp_path), "progress": False},
+    }
+    result = fit(config, task=QuadrantSpirals())
+    # Quadrants of 66, 69, 79 and 86 rows: 4 + 4 + 4 + 5 = 17 batches of 16, 8 per worker (a
+    # DistributedSampler's share would be 150 rows, 9 batches).
+    assert len(GroupedBatchSampler(quadrants(spirals(300, seed=0).tensors[0]), 16, 0, 2, 4)) == 8
+    assert result.metrics["step"] == 3 * 8
+    records = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    lrs = {(r["epoch"], r["lr"]) for r in records}
+    # poly per epoch, power 1: 0.005 + 0.015 * (1 - epoch / 2), one value per epoch
+    assert sorted(lrs) == [(0, pytest.approx(0.02)), (1, pytest.approx(0.0125)), (2, pytest.approx(0.005))], lrs
