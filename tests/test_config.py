@@ -38,6 +38,9 @@ def test_yaml_with_overrides_round_trips_through_a_plain_dict(tmp_path):
         ("optim.betas=[0.9]", "optim.betas", "two numbers"),
         ("freeze.last_layer_pattern=(", "freeze.last_layer_pattern", "not a regular expression"),
         ("loss.reduction", "loss.reduction", "key=value"),
+        ("schedules.lr.kind=exp", "schedules.lr.kind", "'poly', 'step'"),
+        ("schedules.lr.power=0", "schedules.lr.power", "must be > 0"),
+        ("schedules.lr.per=iteration", "schedules.lr.per", "one of 'step', 'epoch'"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key, fragment):
@@ -45,6 +48,33 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, key, fragment):
         load_config(None, [override])
     assert info.value.key == key
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fragment",
+    [
+        (
+            ["schedules.lr.warmup_steps=500"],
+            "schedules.lr.warmup_steps",
+            "per=epoch counts epochs: must be < loop.epochs=20",
+        ),
+        (["schedules.teacher_temp.warmup_steps=20"], "schedules.teacher_temp.warmup_steps", "must be < loop.epochs=20"),
+        (
+            ["schedules.lr.kind=step", "schedules.lr.milestones=[10,3000]"],
+            "schedules.lr.milestones",
+            "[3000] would never",
+        ),
+    ],
+)
+def test_per_epoch_schedules_count_warmup_and_milestones_in_epochs(overrides, key, fragment):
+    base = ["loop.epochs=20", "schedules.lr.per=epoch", "schedules.teacher_temp.per=epoch"]
+    assert load_config(None, [*base, "schedules.lr.warmup_steps=5"]).schedules["lr"].warmup_steps == 5
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*base, *overrides])
+    assert info.value.key == key
+    assert fragment in str(info.value)
+    # With loop.max_steps the run's epochs depend on the data: left to the workers.
+    assert load_config(None, [*base, *overrides, "loop.max_steps=100"]).loop.max_steps == 100
 
 
 def test_bad_recipe_files_are_named(tmp_path):

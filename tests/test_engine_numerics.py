@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput, LossScaleError, NonFiniteError, schedule_value
+from raytrain_loops.engine.length import epochs_in_run
 from raytrain_loops.engine.loop import accum_steps, timed_groups
 from tests import fakes
 
@@ -290,6 +291,59 @@ def test_schedules_are_pure_functions_of_the_step():
         ["schedules.lr.kind=step", "schedules.lr.value=1.0", "schedules.lr.milestones=[3,6]", "schedules.lr.gamma=0.5"],
     ).schedules["lr"]
     assert [schedule_value(step, i, 10) for i in (2, 3, 6)] == [1.0, 0.5, 0.25]
+
+
+def test_poly_schedule_follows_seamseg_and_ends_at_its_end():
+    poly = load_config(None, ["schedules.lr.kind=poly", "schedules.lr.value=1.0"]).schedules["lr"]
+    assert poly.power == 0.9  # seamseg's default
+    # 1 - progress over the 10 steps after warm-up: 1, 8/9, ..., 0
+    assert [schedule_value(poly, i, 10) for i in (0, 3, 9)] == pytest.approx([1.0, (6 / 9) ** 0.9, 0.0])
+    warm = load_config(
+        None,
+        [
+            "schedules.lr.kind=poly",
+            "schedules.lr.value=1.0",
+            "schedules.lr.end=0.1",
+            "schedules.lr.power=2.0",
+            "schedules.lr.warmup_steps=4",
+        ],
+    ).schedules["lr"]
+    assert [schedule_value(warm, i, 14) for i in (0, 2, 4)] == [0.0, 0.5, 1.0]
+    assert schedule_value(warm, 4 + 3, 14) == pytest.approx(0.1 + 0.9 * (1 - 3 / 9) ** 2)
+    assert schedule_value(warm, 13, 14) == pytest.approx(0.1)
+
+
+def test_per_epoch_schedules_follow_the_epoch_and_count_warmup_and_milestones_in_epochs():
+    def sched(*overrides):
+        return load_config(None, ["loop.epochs=10", "schedules.lr.per=epoch", *overrides]).schedules["lr"]
+
+    poly = sched("schedules.lr.kind=poly", "schedules.lr.value=1.0", "schedules.lr.warmup_steps=2")
+    # The step does not matter, the epoch does: warm-up over epochs 0-1, then 1 - (e - 2) / 7.
+    assert schedule_value(poly, 0, 1000, 1, 10) == schedule_value(poly, 999, 1000, 1, 10) == 0.5
+    assert schedule_value(poly, 5, 1000, 2, 10) == 1.0
+    assert schedule_value(poly, 5, 1000, 5, 10) == pytest.approx((4 / 7) ** 0.9)
+    assert schedule_value(poly, 5, 1000, 9, 10) == 0.0
+    step = sched("schedules.lr.kind=step", "schedules.lr.value=1.0", "schedules.lr.milestones=[3,6]")
+    assert [schedule_value(step, 1, 1000, e, 10) for e in (2, 3, 6)] == [1.0, 0.1, pytest.approx(0.01)]
+    # The engine evaluates them at its epoch (which the loop sets and a checkpoint restores).
+    cfg = load_config(
+        None, ["loop.epochs=10", "schedules.lr.per=epoch", "schedules.lr.kind=poly", "schedules.lr.value=1"]
+    )
+    engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100, total_epochs=10)
+    engine.epoch = 5
+    assert engine.values()["lr"] == pytest.approx((4 / 9) ** 0.9)
+    with pytest.raises(ValueError, match="total_epochs"):
+        Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100)
+
+
+def test_the_runs_epochs_for_per_epoch_schedules_follow_loop_epochs_or_max_steps():
+    # 10 batches per worker: 10 updates per epoch before accum.start_epoch=2, then 2 (5 micro-batches each).
+    cfg = load_config(None, ["loop.epochs=4", "accum.steps=5", "accum.start_epoch=2"])
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 4
+    cfg.loop.max_steps = 21  # epochs 0-1 hold 20 updates: the 21st falls in epoch 2
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 3
+    cfg.loop.max_steps = 30  # past loop.epochs: 20 + 2 * 5 updates end in epoch 6
+    assert epochs_in_run(cfg.loop, cfg.accum, 10) == 7
 
 
 def test_criterion_sees_named_schedule_values():

@@ -9,6 +9,7 @@ process each) and on one.
 from __future__ import annotations
 
 import copy
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -186,3 +187,24 @@ def test_a_resumed_engine_redraws_the_same_cuda_dropout_masks():
     for _ in range(3):
         redrawn.train_step([batch])
     assert not torch.equal(straight.module.encoder.weight, redrawn.module.encoder.weight)
+
+
+def test_map_style_batches_of_a_cuda_worker_are_pinned_and_copied_to_it():
+    from raytrain_loops.data import GroupedBatchSampler, MapBatches
+    from raytrain_loops.engine.step import to_device
+    from raytrain_loops.tasks import MapSplit
+
+    rows = torch.utils.data.TensorDataset(torch.randn(24, 3), torch.arange(24))
+    sampler = functools.partial(GroupedBatchSampler, [i % 2 for i in range(24)])
+    splits = {"train": MapSplit(rows, batch_sampler=sampler), "eval": MapSplit(rows)}
+    for loader_workers in (0, 2):
+        data = load_config(None, ["data.batch_size=4", f"data.loader_workers={loader_workers}"]).data
+        on_gpu = MapBatches(splits, data, 0, 0, 1, torch.device("cuda", 0))
+        for split in ("train", "eval"):
+            x, ids = next(iter(on_gpu.batches(split, 0)))
+            assert x.is_pinned() and ids.is_pinned(), (split, loader_workers)  # non_blocking copies are async
+            moved = to_device({"x": x, "ids": ids}, torch.device("cuda", 0))
+            assert moved["x"].is_cuda and torch.equal(moved["ids"].cpu(), ids)
+        on_cpu = MapBatches(splits, data, 0, 0, 1, torch.device("cpu"))
+        x, _ = next(iter(on_cpu.batches("train", 0)))
+        assert not x.is_pinned()  # a CPU worker pins nothing

@@ -28,22 +28,34 @@ __all__ = [
 
 @dataclass(kw_only=True, slots=True)
 class Schedule:
-    """A value as a pure function of the global step. A bare number in YAML means a constant."""
+    """A value as a pure function of the global step (``per: step``) or of the epoch (``per:
+    epoch``). A bare number in YAML means a constant."""
 
-    kind: Literal["constant", "cosine", "linear", "step"] = opt("constant", "Shape after warm-up.")
-    value: float = opt(0.0, "Value at the end of warm-up (the peak for cosine/linear, the start for step).")
-    end: float = opt(0.0, "Value at the last step for cosine and linear.")
-    warmup_steps: int = opt(0, "Linear warm-up from warmup_start to value over this many steps.")
-    warmup_start: float = opt(0.0, "Value at step 0 when warmup_steps > 0.")
-    milestones: list[int] = opt([], "Steps at which kind=step multiplies the value by gamma.")
+    kind: Literal["constant", "cosine", "linear", "poly", "step"] = opt("constant", "Shape after warm-up.")
+    per: Literal["step", "epoch"] = opt(
+        "step",
+        "step: a function of the optimizer step and the run's steps; epoch: of the epoch and the run's epochs, "
+        "constant within an epoch (warmup_steps and milestones then count epochs).",
+    )
+    value: float = opt(0.0, "Value at the end of warm-up (the peak for cosine/linear/poly, the start for step).")
+    end: float = opt(0.0, "Value at the last step (epoch with per=epoch) for cosine, linear and poly.")
+    power: float = opt(0.9, "Exponent of kind=poly: end + (value - end) * (1 - progress) ** power.")
+    warmup_steps: int = opt(
+        0, "Linear warm-up from warmup_start to value over this many steps (epochs with per=epoch)."
+    )
+    warmup_start: float = opt(0.0, "Value at step 0 (epoch 0 with per=epoch) when warmup_steps > 0.")
+    milestones: list[int] = opt([], "Steps (epochs with per=epoch) at which kind=step multiplies the value by gamma.")
     gamma: float = opt(0.1, "Factor applied at each milestone for kind=step.")
 
     def __post_init__(self) -> None:
         at_least(self, 0, "warmup_steps")
+        unit = "epochs" if self.per == "epoch" else "steps"
         if self.kind == "step" and sorted(self.milestones) != list(self.milestones):
             raise ConfigError("milestones", f"must be increasing; got {self.milestones}")
         if any(m <= 0 for m in self.milestones):
-            raise ConfigError("milestones", f"must be positive steps; got {self.milestones}")
+            raise ConfigError("milestones", f"must be positive {unit}; got {self.milestones}")
+        if not self.power > 0:  # at 0 poly is a constant, below 0 it grows
+            raise ConfigError("power", f"must be > 0; got {self.power}")
 
     @classmethod
     def from_scalar(cls, value: float) -> Schedule:

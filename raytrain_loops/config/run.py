@@ -207,7 +207,7 @@ class Config:
     optim: OptimConfig = opt(OptimConfig(), "Optimizer and parameter groups.")
     schedules: dict[str, Schedule] = opt(
         default_schedules(),
-        "Values as functions of the step: lr, weight_decay, ema_momentum, and any named value for the criterion.",
+        "Values as functions of the step (or epoch): lr, weight_decay, ema_momentum, and any named value for the criterion.",
     )
     precision: PrecisionConfig = opt(PrecisionConfig(), "Autocast and loss scaling.")
     accum: AccumConfig = opt(AccumConfig(), "Gradient accumulation.")
@@ -235,9 +235,12 @@ class Config:
         if lr.value < 0 or lr.end < 0:
             raise ConfigError("schedules.lr", f"learning rates must be >= 0; got value={lr.value}, end={lr.end}")
         m = self.schedules["ema_momentum"]
-        for what, v in (("value", m.value), ("end", m.end if m.kind in ("cosine", "linear") else m.value)):
+        for what, v in (("value", m.value), ("end", m.end if m.kind in ("cosine", "linear", "poly") else m.value)):
             if not 0.0 <= v <= 1.0:
                 raise ConfigError(f"schedules.ema_momentum.{what}", f"must be in [0, 1]; got {v}")
+        for name, sch in self.schedules.items():
+            if sch.per == "epoch":
+                _check_epoch_schedule(name, sch, self.loop)
 
     @property
     def engine(self) -> EngineConfig:
@@ -252,6 +255,25 @@ class Config:
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
         """Build and validate a config from a plain dict."""
         return from_dict(cls, data)
+
+
+def _check_epoch_schedule(name: str, s: Schedule, loop: LoopConfig) -> None:
+    """A per=epoch schedule counts its warm-up and milestones in epochs: one that reaches past the
+    run's epochs was most likely written in steps. With ``loop.max_steps`` the run's epochs
+    depend on the data, and are not checked here."""
+    if loop.max_steps:
+        return
+    if s.warmup_steps and s.warmup_steps >= loop.epochs:
+        raise ConfigError(
+            f"schedules.{name}.warmup_steps",
+            f"per=epoch counts epochs: must be < loop.epochs={loop.epochs}; got {s.warmup_steps}",
+        )
+    late = [m for m in s.milestones if m >= loop.epochs]
+    if late:
+        raise ConfigError(
+            f"schedules.{name}.milestones",
+            f"per=epoch counts epochs: {late} would never be reached in loop.epochs={loop.epochs}",
+        )
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:

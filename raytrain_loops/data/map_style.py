@@ -5,7 +5,11 @@ mid-epoch continues with exactly the batches the interrupted one had left:
 
 - the order: a ``DistributedSampler`` with this worker's rank, the group size and ``loop.seed``,
   set to the epoch (one permutation shared by the group, each worker taking its share, padded
-  to equal counts as :func:`~raytrain_loops.engine.length.batches_per_epoch` assumes);
+  to equal counts as :func:`~raytrain_loops.engine.length.batches_per_epoch` assumes); or the
+  split's own batch sampler (``MapSplit.batch_sampler``, e.g.
+  :class:`~raytrain_loops.data.samplers.GroupedBatchSampler`), built once with
+  (``data.batch_size``, rank, group size, ``loop.seed``) and set to the epoch, whose ``len``
+  is then the worker's batches per epoch;
 - the position: a resumed epoch starts at its batch ``start`` in the sampler's order, without
   loading the batches before it;
 - random augmentation: every batch is read and collated under torch, NumPy and Python RNGs
@@ -15,6 +19,9 @@ mid-epoch continues with exactly the batches the interrupted one had left:
   each batch, so dropout draws from the stream the checkpoint saved;
 - the DataLoader draws its workers' base seed from a generator of its own, never from the
   global RNG that a resumed run restores mid-epoch.
+
+On a CUDA worker the DataLoader pins its batches in page-locked memory, so that the engine's
+``non_blocking`` copies to the device overlap with the host's work instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -81,22 +88,40 @@ class MapBatches:
     """This worker's batches of map-style splits, per epoch, from any batch on: the loop's
     :class:`~raytrain_loops.engine.loop.BatchSource` for ``MapSplit`` data.
 
-    ``splits`` maps a split name ("train", "eval") to an object with ``dataset`` and
-    ``collate_fn`` (a :class:`~raytrain_loops.tasks.MapSplit`). Training batches are shuffled
-    and the last partial one dropped; evaluation reads this worker's rows (every ``world``-th)
-    in order, each row on one worker only.
+    ``splits`` maps a split name ("train", "eval") to an object with ``dataset``,
+    ``collate_fn`` and ``batch_sampler`` (a :class:`~raytrain_loops.tasks.MapSplit`). Training
+    batches come from the train split's batch sampler, or are shuffled with the last partial one
+    dropped; evaluation reads this worker's rows (every ``world``-th) in order, each row on one
+    worker only. ``device``: this worker's device; batches are pinned when it is a CUDA device.
     """
 
-    def __init__(self, splits: dict[str, Any], data: DataConfig, seed: int, rank: int, world: int):
+    def __init__(
+        self,
+        splits: dict[str, Any],
+        data: DataConfig,
+        seed: int,
+        rank: int,
+        world: int,
+        device: torch.device | str | None = None,
+    ):
         self.splits, self.data, self.seed, self.rank, self.world = splits, data, seed, rank, world
         self.has_eval = "eval" in splits
+        self.pin_memory = device is not None and torch.device(device).type == "cuda"
+        self.sampler = None
         if "train" in splits:
-            rows = len(splits["train"].dataset)
-            self.batches_per_epoch = batches_per_epoch(rows, world, data.batch_size, padded=True)
+            factory = getattr(splits["train"], "batch_sampler", None)
+            if factory is not None:
+                self.sampler = factory(data.batch_size, rank, world, seed)
+                self.batches_per_epoch = len(self.sampler)
+            else:
+                rows = len(splits["train"].dataset)
+                self.batches_per_epoch = batches_per_epoch(rows, world, data.batch_size, padded=True)
 
     def _rows(self, split: str, epoch: int) -> list[list[int]]:
         """This worker's batches of ``split`` in ``epoch``, as lists of row indices."""
         dataset = self.splits[split].dataset
+        if split == "train" and self.sampler is not None:
+            return self._sampled(epoch)
         if split != "train":
             mine = list(range(self.rank, len(dataset), self.world))
             size = self.data.eval_batch_size
@@ -105,6 +130,18 @@ class MapBatches:
         sampler.set_epoch(epoch)
         mine, size = list(sampler), self.data.batch_size
         return [mine[i : i + size] for i in range(0, len(mine) - size + 1, size)]
+
+    def _sampled(self, epoch: int) -> list[list[int]]:
+        """The train split's batch sampler's batches for ``epoch``, checked against its ``len``:
+        a sampler giving ranks different counts would leave some workers waiting in a step."""
+        self.sampler.set_epoch(epoch)
+        rows = [list(batch) for batch in self.sampler]
+        if len(rows) != self.batches_per_epoch:
+            raise ValueError(
+                f"split 'train': the batch sampler yielded {len(rows)} batches on rank {self.rank} "
+                f"in epoch {epoch}, but its len() is {self.batches_per_epoch}"
+            )
+        return rows
 
     def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
         """The batches of ``split`` in ``epoch``, from batch ``start`` on."""
@@ -118,5 +155,6 @@ class MapBatches:
             sampler=items,
             num_workers=self.data.loader_workers,
             collate_fn=_unchanged,
+            pin_memory=self.pin_memory,
             generator=torch.Generator().manual_seed(derived_seeds(*key)[0]),
         )

@@ -45,3 +45,20 @@ def total_steps(loop: LoopConfig, accum: AccumConfig, batches: int, scale: float
             "micro-batches of one update: lower accum.steps, data.batch_size or scaling.num_workers",
         )
     return loop.max_steps or sum(per_epoch)
+
+
+def epochs_in_run(loop: LoopConfig, accum: AccumConfig, batches: int, scale: float = 1.0) -> int:
+    """The epochs the run spans, for ``per: epoch`` schedules: ``loop.epochs``, or with
+    ``loop.max_steps`` the epochs up to the one holding the last update (inside it or past
+    ``loop.epochs``)."""
+    total = total_steps(loop, accum, batches, scale)
+    epochs, done = 0, 0
+    while done < total:
+        steps = steps_in_epoch(accum, batches, epochs, scale)
+        if steps == 0:  # past loop.epochs, where total_steps did not look
+            raise ConfigError(
+                "accum.steps",
+                f"epoch {epochs} holds {batches} batches per worker, fewer than one update needs",
+            )
+        done, epochs = done + steps, epochs + 1
+    return epochs

@@ -205,7 +205,9 @@ class Engine:
     """The per-worker training state and its step. Imports no Ray.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` (required when more than one worker
-    runs). ``total_steps`` is the run's length in optimizer steps, for the schedules.
+    runs). ``total_steps`` is the run's length in optimizer steps, for the schedules;
+    ``total_epochs`` the epochs it spans (:func:`~raytrain_loops.engine.length.epochs_in_run`),
+    required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
     """
 
     def __init__(
@@ -215,6 +217,7 @@ class Engine:
         config: EngineConfig,
         *,
         total_steps: int,
+        total_epochs: int = 0,
         task_param_groups: list[dict[str, Any]] | None = None,
         counts: Callable[[Any], dict[str, float]] | None = None,
         count_keys: Sequence[str] = (),
@@ -226,7 +229,10 @@ class Engine:
         self.module = unwrap(model)
         self.loss_fn = loss_fn
         self.config = config
-        self.total_steps = total_steps
+        self.total_steps, self.total_epochs = total_steps, total_epochs
+        per_epoch = sorted(n for n, sch in config.schedules.items() if sch.per == "epoch")
+        if per_epoch and total_epochs < 1:
+            raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
         self.world_size = dist.world_size()
         self._ddp = hasattr(model, "no_sync")
         if self.world_size > 1 and not self._ddp:
@@ -268,8 +274,8 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def values(self) -> dict[str, float]:
-        """Every schedule's value at the current step."""
-        return schedule_values(self.config.schedules, self.step, self.total_steps)
+        """Every schedule's value at the current step (and epoch, for ``per: epoch`` ones)."""
+        return schedule_values(self.config.schedules, self.step, self.total_steps, self.epoch, self.total_epochs)
 
     def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import ray.train
+import ray.train.torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.data import MapBatches
@@ -60,9 +61,13 @@ class RayBatches:
         self.task, self.data, self.seed, self.rank = task, config.data, config.loop.seed, rank
         self.has_eval = "eval" in splits
         maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
-        self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world)
-        padded = "train" in maps  # a DistributedSampler pads every worker's share
-        self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size, padded=padded)
+        # Pinned batches on a GPU worker, so the engine's non_blocking copies are asynchronous.
+        device = ray.train.torch.get_device()
+        self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world, device)
+        if "train" in maps:  # a DistributedSampler's padded shares, or the split's batch sampler
+            self.batches_per_epoch = self.maps.batches_per_epoch
+        else:
+            self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size)
 
     def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
         if split in self.maps.splits:

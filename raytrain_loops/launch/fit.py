@@ -91,7 +91,11 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             raise DataError(f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
         if rows[name] == 0:
             raise DataError(f"split '{name}' holds no rows")
-    if rows["train"] // config.scaling.num_workers < config.data.batch_size:
+        if name != "train" and getattr(split, "batch_sampler", None) is not None:
+            raise DataError(f"task {config.task.name!r}, split '{name}': only the train split takes a batch_sampler")
+    if getattr(splits["train"], "batch_sampler", None) is not None:
+        check_batch_sampler(config, splits["train"], rows["train"])
+    elif rows["train"] // config.scaling.num_workers < config.data.batch_size:
         raise ConfigError(
             "data.batch_size",
             f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.num_workers} training rows per worker",
@@ -100,12 +104,47 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
     return task, splits, rows
 
 
+def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:
+    """Rank 0's batch sampler of the train split with all ``scaling.num_workers`` workers, and its
+    ``len`` (the same on every rank, by the sampler's contract). Raises :class:`DataError` naming
+    the task and split when the task's sampler fails or gives no batch."""
+    where = f"task {config.task.name!r}, split 'train'"
+    try:
+        sampler = split.batch_sampler(config.data.batch_size, 0, config.scaling.num_workers, config.loop.seed)
+        batches = len(sampler)
+    except Exception as err:  # the task's own code: say whose sampler failed
+        raise DataError(f"{where}: batch_sampler: {err}") from err
+    if batches < 1:
+        raise DataError(
+            f"{where}: the batch sampler gives no batch per worker with data.batch_size={config.data.batch_size} "
+            f"and {config.scaling.num_workers} workers"
+        )
+    return sampler, batches
+
+
+def check_batch_sampler(config: Config, split: MapSplit, rows: int) -> None:
+    """Build the train split's batch sampler as rank 0 does and read its first epoch, so a
+    sampler that fails or names rows the dataset lacks stops the run before Ray starts."""
+    sampler, _ = _rank0_sampler(config, split)
+    sampler.set_epoch(0)
+    outside = [i for batch in sampler for i in batch if not 0 <= i < rows]
+    if outside:
+        raise DataError(
+            f"task {config.task.name!r}, split 'train': the batch sampler names row {outside[0]}, "
+            f"but the dataset holds {rows} rows"
+        )
+
+
 def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) -> int:
     """The run's length in optimizer steps with all ``scaling.num_workers`` workers, as the loop
     will count it on every worker."""
-    per_worker = batches_per_epoch(
-        rows["train"], config.scaling.num_workers, config.data.batch_size, padded=isinstance(splits["train"], MapSplit)
-    )
+    train = splits["train"]
+    if getattr(train, "batch_sampler", None) is not None:
+        per_worker = _rank0_sampler(config, train)[1]
+    else:
+        per_worker = batches_per_epoch(
+            rows["train"], config.scaling.num_workers, config.data.batch_size, padded=isinstance(train, MapSplit)
+        )
     return total_steps(config.loop, config.accum, per_worker)
 
 

@@ -20,7 +20,7 @@ import torch
 from raytrain_loops.config import Config
 from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine.guards import TrainingError
-from raytrain_loops.engine.length import accum_steps, total_steps
+from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.launch import storage
@@ -86,6 +86,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         faults.wrap_loss(task.criterion),
         config.engine,
         total_steps=total,
+        total_epochs=epochs_in_run(config.loop, config.accum, source.batches_per_epoch, scale),
         task_param_groups=groups,
         counts=task.counts if task.count_keys else None,
         count_keys=task.count_keys,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,19 @@ class ParquetSplit:
 
 @dataclass
 class MapSplit:
-    """A split as a map-style ``torch.utils.data.Dataset`` (read through a DataLoader)."""
+    """A split as a map-style ``torch.utils.data.Dataset`` (read through a DataLoader).
+
+    ``batch_sampler`` (train split only): a factory called once per worker as
+    ``batch_sampler(batch_size, rank, world, seed)``, returning an object with ``set_epoch(epoch)``,
+    ``__iter__`` (this worker's batches of row indices in the epoch set) and ``__len__`` (this
+    worker's batches per epoch, the same on every rank); for example
+    ``functools.partial(GroupedBatchSampler, groups)``. ``None``: a ``DistributedSampler``
+    shuffled by ``loop.seed`` and the epoch, cut into batches of ``data.batch_size``.
+    """
 
     dataset: Any
     collate_fn: Any = None
+    batch_sampler: Callable[[int, int, int, int], Any] | None = None
 
 
 EvalOutput = dict[str, tuple[torch.Tensor | float, float]]
