@@ -1,7 +1,26 @@
 #!/usr/bin/env bash
-# Set up (virtual environment + install) and run the test suite. Extra arguments go to pytest.
+# Set up (virtual environment + install), check with ruff, and run the test suite.
+#
+# With arguments, they go to one pytest run. Without, the suite runs as two pytest processes side
+# by side: the tests marked `ray` (they spend most of their time waiting on Ray's start-up and its
+# controller's polls) and the others (CPU-bound: gloo process groups, the engine). The Ray part's
+# output follows the other's; the exit status is non-zero if either part failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+log=$(mktemp)
+.venv/bin/python -m pytest -q -m ray -p no:cacheprovider >"$log" 2>&1 &
+ray_part=$!
+trap 'kill $ray_part 2>/dev/null || true' INT TERM
+status=0
+echo "== tests without Ray (the tests marked ray run beside them; their output follows) =="
+.venv/bin/python -m pytest -q -m "not ray" || status=$?
+wait "$ray_part" || status=$?
+echo "== tests marked ray =="
+cat "$log"
+rm -f "$log"
+exit "$status"

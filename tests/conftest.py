@@ -17,6 +17,15 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses a Ray fixture is marked ``ray`` even if its author forgot: scripts/test.sh
+    runs the Ray tests in a process of their own, and a Ray test left among the others would start
+    a second Ray instance there."""
+    for item in items:
+        if {"ray_session", "head"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with 4 logical CPUs: two 1-CPU training workers and room for Ray Data."""
