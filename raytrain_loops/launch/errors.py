@@ -18,6 +18,15 @@ def root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
+def worker_traceback(err: BaseException) -> str | None:
+    """The traceback of the first failed worker of a Ray Train failure (Ray sends it as the
+    failure's text), or None for another error."""
+    worker_failures = getattr(err, "worker_failures", None)
+    if isinstance(worker_failures, dict) and worker_failures:
+        return str(next(iter(worker_failures.values())))
+    return None
+
+
 @dataclass
 class Stopped:
     """What the workers return when the run stopped on an error that retrying cannot fix."""
