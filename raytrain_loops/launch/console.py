@@ -119,12 +119,15 @@ class Display:
         self.stream = stream or sys.stdout
         self.live = _tty(self.stream) if live is None else live
         self.bar = None
+        # The feed's thread, Ray's log thread (a forwarded warning) and the driver all show lines.
+        self._lock = threading.RLock()
 
     def show(self, event: dict[str, Any]) -> None:
-        if event.get("kind") == "progress" and self.live:
-            self._progress(event)
-        else:
-            self.line(event["text"])
+        with self._lock:
+            if event.get("kind") == "progress" and self.live:
+                self._progress(event)
+            else:
+                self.line(event["text"])
 
     def _progress(self, event: dict[str, Any]) -> None:
         from tqdm import tqdm
@@ -138,15 +141,17 @@ class Display:
         self.bar.refresh()
 
     def line(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
+        with self._lock:
+            if self.bar is not None:
+                self.bar.write(text, file=self.stream)
+            else:
+                print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
 
 
 class RayLog:
@@ -302,9 +307,14 @@ class Console:
         self._dispatching = True
 
     def _forwarded(self, data: dict[str, Any]) -> None:
+        lines = data.get("lines", [])
+        if data.get("pid") == "autoscaler":  # its status every few seconds; Ray keeps the events only
+            from ray._private.worker import filter_autoscaler_events
+
+            lines = list(filter_autoscaler_events(lines))
         source = data.get("actor_name") or data.get("task_name") or "worker"
         prefix = f"({source} pid={data.get('pid')}{', ip=' + str(data.get('ip')) if data.get('ip') else ''})"
-        for line in data.get("lines", []):
+        for line in lines:
             self._to_log(f"{prefix} {line}")
             if ANSI.sub("", line).lstrip().startswith("warning:"):
                 self.display.line(ANSI.sub("", line).strip())
