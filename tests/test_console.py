@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import warnings
+from types import SimpleNamespace
 
 from ray.util.annotations import RayDeprecationWarning
 
 from raytrain_loops.launch.console import Announcer, Console, Display, Sender
 from raytrain_loops.launch.runlog import RunLog
+from raytrain_loops.launch.tune import TrialLines, _Decisions
 
 
 class Terminal(io.StringIO):
@@ -135,3 +138,24 @@ def test_rank_0_sends_its_progress_and_evaluation_lines_to_the_driver(tmp_path):
     assert kinds == [("progress", 10, 63), ("eval", 21, None)]
     assert log.sender.events[0]["text"].startswith("step 10/63 (16%)")
     assert log.sender.events[1]["text"] == "eval at step 21: eval_accuracy 0.9000"
+
+
+def test_a_sweep_prints_a_line_per_trial_result_and_how_each_trial_ended():
+    out = io.StringIO()
+    lines = TrialLines(Display(out), "eval_accuracy", length=63)
+    trial = SimpleNamespace(trial_id="3f2a_00001", last_result={"step": 20, "eval_accuracy": 0.5}, error_file=None)
+    lines.on_trial_result(0, [], trial, {"step": 20, "eval_accuracy": 0.5})
+    lines.on_trial_complete(0, [], trial)  # ASHA stopped it before its 63 steps
+    trial.last_result = {"step": 63, "eval_accuracy": 0.91}
+    lines.on_trial_complete(0, [], trial)
+    decisions = _Decisions(Display(out))
+    record = logging.LogRecord("ray.tune.schedulers.pbt", logging.INFO, "", 0, "", None, None)
+    record.msg = "\n\n[PopulationBasedTraining] [Exploit] Cloning trial a (score = 0.9) into trial b (score = 0.1)\n"
+    decisions.emit(record)
+    assert out.getvalue().splitlines() == [
+        "trial_00001 step 20: eval_accuracy 0.5",
+        "trial_00001 stopped by the scheduler at step 20: eval_accuracy 0.5",
+        "trial_00001 finished at step 63: eval_accuracy 0.91",
+        "[PopulationBasedTraining] [Exploit] Cloning trial a (score = 0.9) into trial b (score = 0.1)",
+    ]
+    assert pickle.loads(pickle.dumps(lines)).display is None  # Tune pickles its callbacks with the sweep

@@ -19,11 +19,12 @@ def root_cause(err: BaseException) -> str:
 
 
 def worker_traceback(err: BaseException) -> str | None:
-    """The traceback of the first failed worker of a Ray Train failure (Ray sends it as the
-    failure's text), or None for another error."""
+    """The failed workers' tracebacks of a Ray Train failure (its text: Ray groups alike errors
+    of several workers, and keeps only the bare exceptions in ``worker_failures``), or None for
+    another error."""
     worker_failures = getattr(err, "worker_failures", None)
     if isinstance(worker_failures, dict) and worker_failures:
-        return str(next(iter(worker_failures.values())))
+        return str(err)
     return None
 
 
