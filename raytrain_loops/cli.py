@@ -26,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--working-dir", default=None, help="a directory uploaded as the job's working directory")
     submit.add_argument("--pip", action="append", default=None, help="a pip requirement for the job (repeatable)")
     submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of following the logs")
+    for command in (train, sweep, submit):
+        command.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show Ray's own output (logging.verbose=true); otherwise it goes to ray.log in the run directory",
+        )
     return ap
 
 
@@ -36,6 +42,8 @@ def _error(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        args.overrides = [*args.overrides, "logging.verbose=true"]
     from raytrain_loops import recipes
     from raytrain_loops.config import ConfigError, load_config
 
@@ -72,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             result = fit(config)
     except (ConfigError, DataError) as err:
         return _error(str(err))
-    except Exception as err:  # a failed run: show its root cause, not Ray's wrapping
-        from raytrain_loops.launch.errors import root_cause
+    except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
+        from raytrain_loops.launch.errors import root_cause, worker_traceback
 
+        trace = worker_traceback(err)
+        if trace:
+            print(trace.rstrip(), file=sys.stderr)
         print(f"raytrain-loops: {args.command} failed: {root_cause(err)}", file=sys.stderr)
         return 1
     if args.command == "tune":

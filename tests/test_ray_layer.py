@@ -42,6 +42,7 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     run_dir = Path(out.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
     assert run_dir.parent == tmp_path
     assert "step 5/63" in out.stdout + out.stderr  # progress lines on the driver
+    _assert_a_clean_console(out.stdout + out.stderr, run_dir)
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 64))  # 3 epochs x 21 steps
@@ -66,6 +67,53 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert "loop:\n  max_steps: 0\n  epochs: 3" in (run_dir / "config.yaml").read_text()
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_a_clean_console(console: str, run_dir: Path) -> None:
+    """The console holds this project's lines; Ray's output (every report, the controller's and
+    Ray Data's lines, deprecation warnings) went to ray.log."""
+    for ray_only in (
+        "TrainingReport(",
+        "RayDeprecationWarning",
+        "PreemptionWatcher",
+        "(RayTrainWorker",
+        "(TrainController",
+    ):
+        assert ray_only not in console, console[-3000:]
+    lines = console.splitlines()
+    assert [line for line in lines if line.startswith("eval at step ")][0].startswith("eval at step 21: eval_accuracy")
+    assert "checkpoint at step 21: " in console
+    ours = ("run directory: ", "step ", "eval at step ", "checkpoint at step ", "finished in ")
+    assert [line for line in lines if not line.startswith(ours)] == []
+    ray_log = (run_dir / "ray.log").read_text()
+    assert "TrainingReport(" in ray_log and "(TrainController pid=" in ray_log and "Started a local Ray" in ray_log
+
+
+@pytest.mark.ray
+def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_path):
+    out = _cli(
+        "train",
+        "default",
+        "loop.max_steps=6",
+        "run.max_failures=1",
+        "fault.plan=[{step: 2, kind: raise}, {step: 4, kind: raise}]",
+        f"run.storage_path={tmp_path}",
+        f"data.dir={tmp_path / 'data'}",
+    )
+    console = out.stdout + out.stderr
+    assert out.returncode == 1, console[-3000:]
+    assert (
+        "worker 0 failed: " in console
+        and "fault.plan[0] after step 2; restarting from the newest checkpoint (retry 1 of 1)" in console
+    )
+    assert "fault.plan[1] after step 4; no retries left" in console
+    assert "Traceback (most recent call last)" in out.stderr and 'faults.py", line' in out.stderr  # the worker's
+    assert (
+        "raytrain-loops: train failed: " in out.stderr and "fault.plan[1] after step 4" in out.stderr.splitlines()[-1]
+    )
+    assert "TrainingReport(" not in console and "(TrainController" not in console
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "data"]
+    assert "fault.plan[1]" in (run_dir / "ray.log").read_text()
 
 
 def test_invalid_config_fails_before_ray_starts_naming_the_key():

@@ -248,6 +248,10 @@ class LoggingConfig:
     """Metric cadence."""
 
     every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
+    verbose: bool = opt(
+        False,
+        "Print Ray's own output (its INFO lines, warnings, every report) on the console instead of in <run>/ray.log.",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "every_steps")

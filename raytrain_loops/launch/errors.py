@@ -18,6 +18,16 @@ def root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
+def worker_traceback(err: BaseException) -> str | None:
+    """The failed workers' tracebacks of a Ray Train failure (its text: Ray groups alike errors
+    of several workers, and keeps only the bare exceptions in ``worker_failures``), or None for
+    another error."""
+    worker_failures = getattr(err, "worker_failures", None)
+    if isinstance(worker_failures, dict) and worker_failures:
+        return str(err)
+    return None
+
+
 @dataclass
 class Stopped:
     """What the workers return when the run stopped on an error that retrying cannot fix."""

@@ -45,6 +45,7 @@ def run_name(config: Config, task: Task) -> str:
     data = config.to_dict()
     ignored = ("storage_path", "progress", "allow_config_change")
     data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
+    data["logging"] = {k: v for k, v in data["logging"].items() if k != "verbose"}
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
@@ -236,13 +237,20 @@ def _finished_result(run_dir: str, done: Finished) -> FitResult:
 
 
 def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int], name: str, run_dir: str):
-    start = time.time()
-    ensure_ray(config)
-    from raytrain_loops.launch.trainer import build_trainer
+    from raytrain_loops.launch.console import Announcer, Console
 
-    board = StopBoard.new(run_dir, config.scaling.num_workers)
-    trainer = build_trainer(config, task, splits, rows, name, run_dir, board=board)
-    result = fit_or_stop(trainer, board)
+    start = time.time()
+    with Console(run_dir, config.logging.verbose) as console:
+        ensure_ray(config)
+        from raytrain_loops.launch.trainer import build_trainer
+
+        sender = console.start()
+        board = StopBoard.new(run_dir, config.scaling.num_workers)
+        announcer = Announcer(sender, config.run.max_failures)
+        trainer = build_trainer(
+            config, task, splits, rows, name, run_dir, callbacks=[announcer], board=board, console=sender
+        )
+        result = fit_or_stop(trainer, board)
     wall = time.time() - start
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None

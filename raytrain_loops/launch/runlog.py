@@ -16,10 +16,15 @@ from datetime import timedelta
 from raytrain_loops.engine import StepResult
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.console import Sender
 
 
 class RunLog(Callback):
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` and ``tb/`` for rank 0."""
+
+    # Where the progress and evaluation lines go: the driver's console (set by the worker to the
+    # run's :class:`~raytrain_loops.launch.console.Sender`), else this process's stdout.
+    sender: Sender | None = None
 
     def __init__(
         self, run_dir: str, rank: int, total_steps: int, progress: bool, start_step: int = 0, workers: int = 1
@@ -81,7 +86,7 @@ class RunLog(Callback):
         for name, value in metrics.items():
             self._tb.add_scalar(f"train/{name}", value, step)
         if self.progress:
-            print(self.progress_line(metrics, step), flush=True)
+            self._show("progress", self.progress_line(metrics, step), step=step, total=self.total_steps)
 
     def progress_line(self, metrics: dict[str, float], step: int) -> str:
         elapsed = time.perf_counter() - self._t0
@@ -103,7 +108,13 @@ class RunLog(Callback):
             self._tb.add_scalar(name.replace("eval_", "eval/", 1), value, step)
         if self.progress:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
-            print(f"eval at step {step}: {shown}", flush=True)
+            self._show("eval", f"eval at step {step}: {shown}", step=step)
+
+    def _show(self, kind: str, text: str, **data) -> None:
+        if self.sender is None:
+            print(text, flush=True)
+        else:
+            self.sender.send(kind, text, **data)
 
     def before_checkpoint(self) -> None:
         """Flush, and copy to the run directory when it is remote."""
@@ -117,6 +128,8 @@ class RunLog(Callback):
         if not self.enabled:
             return
         self.before_checkpoint()
+        if self.sender is not None:
+            self.sender.flush()
         self._steps.close()
         self._evals.close()
         self._tb.close()

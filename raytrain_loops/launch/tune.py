@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from typing import Any
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.launch import storage
+from raytrain_loops.launch.console import Console
 from raytrain_loops.launch.fit import ensure_ray, planned_steps, prepare
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.launch.sweep_results import SweepResult, write_outputs
@@ -205,7 +207,64 @@ def _search(sweep: SweepConfig, concurrency: int):
     return BasicVariantGenerator(random_state=sweep.search.seed, max_concurrent=concurrency, points_to_evaluate=points)
 
 
-def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int):
+class TrialLines:
+    """A Tune callback (on the driver): one line per trial result and per trial's end, saying
+    whether it ran its whole length or the scheduler stopped it. Built into a ``tune.Callback``
+    by :func:`trial_lines`; pickled with the sweep without its display (a resumed sweep prints)."""
+
+    def __init__(self, display, metric: str, length: int):
+        self.display, self.metric, self.length = display, metric, length
+
+    def _line(self, text: str) -> None:
+        if self.display is None:
+            print(text, flush=True)
+        else:
+            self.display.line(text)
+
+    def _metric(self, result: dict[str, Any]) -> str:
+        value = result.get(self.metric)
+        return f"{self.metric} {value:.4g}" if isinstance(value, int | float) else f"{self.metric} ?"
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        self._line(f"{_trial_name(trial)} step {result.get('step')}: {self._metric(result)}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        last = trial.last_result or {}
+        step = last.get("step")
+        how = "finished" if step is None or step >= self.length else "stopped by the scheduler"
+        self._line(f"{_trial_name(trial)} {how} at step {step}: {self._metric(last)}")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._line(f"{_trial_name(trial)} failed; its error: {trial.error_file or '?'}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "display": None}
+
+
+def trial_lines(display, metric: str, length: int):
+    """:class:`TrialLines` as a ``ray.tune.Callback``."""
+    from ray import tune as rt
+
+    class Lines(TrialLines, rt.Callback):
+        pass
+
+    return Lines(display, metric, length)
+
+
+class _Decisions(logging.Handler):
+    """PBT's exploit decisions (logged by Ray at INFO), one line each on the display."""
+
+    def __init__(self, display):
+        super().__init__(logging.INFO)
+        self.display = display
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = " ".join(record.getMessage().split())
+        if "[Exploit]" in text:
+            self.display.line(text)
+
+
+def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int, callbacks=None, verbose: bool = False):
     from ray import tune as rt
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -229,7 +288,13 @@ def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int):
         ),
         # PBT hands over a trial's latest checkpoint; keeping a few lets an exploit that was
         # decided on a slightly older one still find it.
-        run_config=rt.RunConfig(name=name, storage_path=root, checkpoint_config=rt.CheckpointConfig(num_to_keep=4)),
+        run_config=rt.RunConfig(
+            name=name,
+            storage_path=root,
+            checkpoint_config=rt.CheckpointConfig(num_to_keep=4),
+            callbacks=callbacks,
+            verbose=None if verbose else 0,  # Tune's status tables; the trial lines replace them
+        ),
     )
 
 
@@ -253,16 +318,28 @@ def tune(
 
     # Trials share the cluster: a trial's workers may wait for those of a trial that just ended.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
-    # A local Ray holds the trials asked to run at once (logical CPUs may exceed the cores).
-    ensure_ray(base, num_cpus=sweep.max_concurrent_trials * _per_trial_cpus(sweep) + 1)
-    from ray import tune as rt
+    verbose = config.logging.verbose
+    with Console(sweep_dir, verbose) as console:
+        # A local Ray holds the trials asked to run at once (logical CPUs may exceed the cores).
+        ensure_ray(base, num_cpus=sweep.max_concurrent_trials * _per_trial_cpus(sweep) + 1)
+        console.divert_forwarded()
+        from ray import tune as rt
 
-    payload = {"base": base.to_dict(), "task": task, "splits": splits, "rows": rows}
-    payload["hand_over"] = sweep.scheduler.name == "pbt"
-    trainable = rt.with_resources(rt.with_parameters(_trial, payload=payload), {"CPU": DRIVER_CPUS})
-    if rt.Tuner.can_restore(sweep_dir):
-        print(f"resuming the sweep in {sweep_dir}", flush=True)
-        tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
-    else:
-        tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, planned_steps(base, splits, rows))
-    return write_outputs(tuner.fit(), sweep, base, config.run, sweep_dir)
+        payload = {"base": base.to_dict(), "task": task, "splits": splits, "rows": rows}
+        payload["hand_over"] = sweep.scheduler.name == "pbt"
+        trainable = rt.with_resources(rt.with_parameters(_trial, payload=payload), {"CPU": DRIVER_CPUS})
+        length = planned_steps(base, splits, rows)
+        decisions = _Decisions(console.display)
+        pbt_logger = logging.getLogger("ray.tune.schedulers.pbt")
+        pbt_logger.addHandler(decisions)
+        try:
+            if rt.Tuner.can_restore(sweep_dir):
+                print(f"resuming the sweep in {sweep_dir}", flush=True)
+                tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
+            else:
+                lines = [trial_lines(console.display, sweep.metric, length)]
+                tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, length, lines, verbose)
+            results = tuner.fit()
+        finally:
+            pbt_logger.removeHandler(decisions)
+    return write_outputs(results, sweep, base, config.run, sweep_dir)

@@ -26,6 +26,7 @@ from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.batches import RayBatches
 from raytrain_loops.launch.checkpoints import RayReporter
+from raytrain_loops.launch.console import Sender
 from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.runlog import RunLog
@@ -46,6 +47,7 @@ class WorkerPayload:
     run_dir: str
     stops: StopBoard
     init_checkpoint: str | None = None
+    console: Sender | None = None
 
 
 def _set_threads(config: Config) -> None:
@@ -94,12 +96,16 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     )
     reporter = RayReporter(engine, rank, world, run_dir)
     position = reporter.restore(payload.init_checkpoint) or Position()
+    sender = payload.console or Sender(None)
     if rank == 0 and reporter.loaded:
         storage.write_text(storage.join(run_dir, "init.json"), json.dumps(reporter.loaded) + "\n")
+        if reporter.loaded.get("checkpoint"):
+            sender.send("start", f"resumed at step {engine.step} from {reporter.loaded['checkpoint']}")
     if rank == 0 and world != config.scaling.num_workers:
         k = accum_steps(config.accum, engine.epoch, scale)
-        print(f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update", flush=True)
+        sender.send("start", f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update")
     log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world)
+    log.sender = sender
     callbacks = [log, SpikeGuard(config.spike), faults]
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:

@@ -1,0 +1,336 @@
+"""The run's console on the driver: one live display of what rank 0 and the Train controller
+send, and Ray's own output moved into ``<run>/ray.log``.
+
+Events reach the driver through a small Ray actor that the driver creates (:class:`Feed`):
+rank 0's run log and the controller's callback call it without waiting, and a thread of the
+driver drains it. It needs nothing but the cluster the run is on, so it works alike for a local
+run, a ``ray job submit`` job (whose entrypoint is the driver) and a run directory on an object
+store (which rank 0 only uploads at checkpoints, too late to follow).
+
+Everything Ray prints goes to ``ray.log``: the workers' and actors' forwarded output (the
+controller's resource requests, Ray Data's execution plans, each report), Ray's loggers on the
+driver, its warnings. A forwarded line starting with ``warning:`` (this project's own warnings,
+e.g. a damaged checkpoint skipped) is shown as well. ``logging.verbose`` leaves Ray's output as
+Ray prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ray.train.v2.api.callback import UserCallback
+
+from raytrain_loops.launch import storage
+from raytrain_loops.launch.errors import root_cause
+
+RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
+DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+POLL_S = 0.3
+
+
+class Feed:
+    """The actor between the processes that send events (rank 0, the Train controller) and the
+    driver that shows them. Events are dicts with ``kind`` and ``text``."""
+
+    def __init__(self) -> None:
+        self._events: list[dict[str, Any]] = []
+
+    def put(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+
+    def take(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+
+class Sender:
+    """What a worker or the controller holds: sends events to the driver's feed without waiting
+    for them, or prints them when there is no feed (a run without a driver display)."""
+
+    def __init__(self, feed: Any | None):
+        self.feed = feed
+        self._last = None
+
+    def send(self, kind: str, text: str, **data: Any) -> None:
+        if self.feed is None:
+            print(text, flush=True)
+            return
+        self._last = self.feed.put.remote({"kind": kind, "text": text, **data})
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait (up to ``timeout``) until the driver's feed holds every event sent: a process
+        that ends right after sending would otherwise lose the last ones."""
+        if self._last is not None:
+            import ray
+
+            ray.wait([self._last], timeout=timeout)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"feed": self.feed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["feed"])
+
+
+class Announcer(UserCallback):
+    """In the Train controller: one line for each checkpoint Ray registered and for each worker
+    failure, saying whether the run restarts."""
+
+    def __init__(self, sender: Sender, max_failures: int):
+        self.sender, self.max_failures, self.failures = sender, max_failures, 0
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if checkpoint is not None:
+            self.sender.send("checkpoint", f"checkpoint at step {metrics[0].get('step')}: {checkpoint.path}")
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self.failures += 1
+        if self.max_failures < 0 or self.failures <= self.max_failures:
+            limit = "unlimited" if self.max_failures < 0 else str(self.max_failures)
+            then = f"restarting from the newest checkpoint (retry {self.failures} of {limit})"
+        else:
+            then = "no retries left (run.max_failures)"
+        for rank, err in sorted(worker_exceptions.items()):
+            self.sender.send("failure", f"worker {rank} failed: {root_cause(err)}; {then}")
+
+
+def _tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Display:
+    """Shows events: on a terminal, a progress bar holding rank 0's progress line, redrawn in
+    place, with every other event as a line above it; elsewhere (CI, a job's log) every event as
+    a plain line, the progress line once per ``logging.every_steps``."""
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None):
+        self.stream = stream or sys.stdout
+        self.live = _tty(self.stream) if live is None else live
+        self.bar = None
+        # The feed's thread, Ray's log thread (a forwarded warning) and the driver all show lines.
+        self._lock = threading.RLock()
+
+    def show(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            if event.get("kind") == "progress" and self.live:
+                self._progress(event)
+            else:
+                self.line(event["text"])
+
+    def _progress(self, event: dict[str, Any]) -> None:
+        from tqdm import tqdm
+
+        total = int(event.get("total") or 0) or None
+        if self.bar is None:
+            self.bar = tqdm(total=total, file=self.stream, bar_format="{bar:16}| {desc}", dynamic_ncols=True)
+        self.bar.total = total
+        self.bar.n = int(event.get("step") or 0)
+        self.bar.set_description_str(event["text"], refresh=False)
+        self.bar.refresh()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            if self.bar is not None:
+                self.bar.write(text, file=self.stream)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+
+class RayLog:
+    """``ray.log``: a local file, or a scratch copy uploaded to a run directory on a store."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.remote = storage.is_uri(run_dir)
+        local_dir = storage.scratch_dir("console") if self.remote else run_dir
+        os.makedirs(local_dir, exist_ok=True)
+        self.path = os.path.join(local_dir, "ray.log")
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 -- closed in close()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(ANSI.sub("", text).rstrip("\n") + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+        if self.remote:
+            with open(self.path) as f:
+                storage.write_text(storage.join(self.run_dir, "ray.log"), f.read())
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+class _ToRayLog(logging.Handler):
+    def __init__(self, log: RayLog):
+        super().__init__()
+        self.log = log
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.write(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+def _from_ray(category: type, filename: str) -> bool:
+    import ray
+
+    return category.__name__ == "RayDeprecationWarning" or filename.startswith(os.path.dirname(ray.__file__))
+
+
+class Console:
+    """The driver's console for one run: the display, its feed, and Ray's output moved to
+    ``ray.log`` (unless ``verbose``). ``with Console(...)`` before Ray starts (``ray.init``'s own
+    lines go to ``ray.log`` too); :meth:`start` once Ray is up."""
+
+    def __init__(self, run_dir: str, verbose: bool = False, display: Display | None = None):
+        self.run_dir, self.verbose = run_dir, verbose
+        self.display = display or Display()
+        self.log: RayLog | None = None
+        self.feed = None
+        self._saved_loggers: dict[str, tuple[list, bool]] = {}
+        self._saved_dispatch: list = []
+        self._dispatching = False
+        self._showwarning: Callable | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Console:
+        if not self.verbose:
+            self.log = RayLog(self.run_dir)
+            self._route_loggers()
+            self._route_warnings()
+        return self
+
+    def start(self) -> Sender:
+        """Once Ray is up: divert the forwarded output, start the feed; returns the sender that
+        rank 0 and the controller use."""
+        import ray
+
+        self.divert_forwarded()
+        self.feed = ray.remote(num_cpus=0)(Feed).remote()
+        self._thread = threading.Thread(target=self._drain, name="raytrain_loops-console", daemon=True)
+        self._thread.start()
+        return Sender(self.feed)
+
+    def _drain(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self._show_pending()
+
+    def _show_pending(self) -> None:
+        import ray
+
+        try:
+            events = ray.get(self.feed.take.remote(), timeout=30)
+        except Exception as err:  # the display must never end the run
+            self._to_log(f"console feed: {type(err).__name__}: {err}")
+            return
+        for event in events:
+            self.display.show(event)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._show_pending()
+            import ray
+
+            ray.kill(self.feed)
+        self.display.close()
+        self._restore()
+        if self.log is not None:
+            self.log.close()
+            if exc[0] is not None:
+                self.display.line(f"Ray's output of this run: {storage.join(self.run_dir, 'ray.log')}")
+
+    def _to_log(self, text: str) -> None:
+        if self.log is not None:
+            self.log.write(text)
+
+    def _route_loggers(self) -> None:
+        handler = _ToRayLog(self.log)
+        for name in RAY_LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved_loggers[name] = (list(logger.handlers), logger.propagate)
+            logger.handlers = [handler]
+            logger.propagate = False
+
+    def _route_warnings(self) -> None:
+        shown = warnings.showwarning
+        self._showwarning = shown
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if _from_ray(category, filename):
+                self._to_log(f"{filename}:{lineno}: {category.__name__}: {message}")
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+
+    def divert_forwarded(self) -> None:
+        """Once Ray is up: the workers' forwarded output to ``ray.log`` (unless ``verbose``).
+
+        Ray's handler of the workers' forwarded output is replaced by one writing to
+        ``ray.log``. Ray has no public switch for where it goes, only on or off
+        (``log_to_driver``), and off would lose it from ``ray.log`` too."""
+        if self.verbose or self._dispatching:
+            return
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return
+        with dispatcher._lock:
+            self._saved_dispatch = [h for h in dispatcher.handlers if h[0] == DISPATCH_HANDLER]
+        dispatcher.remove_handler(DISPATCH_HANDLER)
+        dispatcher.add_handler(DISPATCH_HANDLER, self._forwarded)
+        self._dispatching = True
+
+    def _forwarded(self, data: dict[str, Any]) -> None:
+        lines = data.get("lines", [])
+        if data.get("pid") == "autoscaler":  # its status every few seconds; Ray keeps the events only
+            from ray._private.worker import filter_autoscaler_events
+
+            lines = list(filter_autoscaler_events(lines))
+        source = data.get("actor_name") or data.get("task_name") or "worker"
+        prefix = f"({source} pid={data.get('pid')}{', ip=' + str(data.get('ip')) if data.get('ip') else ''})"
+        for line in lines:
+            self._to_log(f"{prefix} {line}")
+            if ANSI.sub("", line).lstrip().startswith("warning:"):
+                self.display.line(ANSI.sub("", line).strip())
+
+    def _restore(self) -> None:
+        for name, (handlers, propagate) in self._saved_loggers.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        self._saved_loggers.clear()
+        if self._showwarning is not None:
+            warnings.showwarning = self._showwarning
+            self._showwarning = None
+        if self._dispatching:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+            dispatcher.remove_handler(DISPATCH_HANDLER)
+            for name, handler in self._saved_dispatch:
+                dispatcher.add_handler(name, handler)
+            self._saved_dispatch, self._dispatching = [], False
