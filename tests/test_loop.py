@@ -350,3 +350,15 @@ def test_epoch_averages_over_two_workers_continue_across_a_mid_epoch_resume():
     # The final report (summary.json) carries the last epoch's averages.
     assert a["final"]["train_rank"] == a["straight"][-1][2]["train_rank"]
     assert a["final"]["train_loss"] == a["straight"][-1][2]["train_loss"]
+
+
+def test_a_run_stopped_inside_an_epoch_by_max_steps_leaves_its_sums_to_a_longer_rerun():
+    base = ["accum.steps=2", "checkpoint.every_steps=0", "logging.every_steps=2"]
+    straight, whole = EpochRecords(), EpochRecords()
+    _run(*base, "loop.max_steps=6", callbacks=[whole])  # two epochs of 3 updates
+    _, _, reporter = _run(*base, "loop.max_steps=5", callbacks=[straight])
+    state, position = reporter.saved[5]  # the final checkpoint, 2 updates into epoch 1
+    assert [e for e, _, _ in straight.records] == [0] and position == Position(1, 4)
+    rerun = EpochRecords()
+    _run(*base, "loop.max_steps=6", model=fakes.make_model(seed=9), state=state, position=position, callbacks=[rerun])
+    assert _untimed(rerun.records) == _untimed(whole.records[1:])
