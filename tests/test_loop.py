@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine.guards import LossSpikeError, NonFiniteError
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position, SpikeGuard
@@ -278,3 +278,87 @@ def test_fit_rejects_an_epoch_shorter_than_one_update_before_ray_starts(tmp_path
     assert not (tmp_path / "runs").exists()  # refused before the run directory (and Ray) existed
     with pytest.raises(ConfigError, match="accum.steps"):
         total_steps(load_config(None).loop, load_config(None, ["accum.steps=3"]).accum, 2)
+
+
+class EpochRecords(Callback):
+    def __init__(self):
+        self.records: list[tuple[int, int, dict]] = []
+
+    def on_epoch(self, metrics, step, epoch):
+        self.records.append((epoch, step, dict(metrics)))
+
+
+EPOCHS = [*CADENCE, "logging.every_steps=2"]  # intervals of 2 steps straddle the epochs of 3
+
+
+def _weighted_by_rank(rank: int):
+    def loss(model, batch, ctx):
+        out = fakes.mean_loss(model, batch, ctx)
+        out.sample_size = 1 + 2 * rank  # worker 1's micro-batches weigh 3x worker 0's
+        out.logs["rank"] = torch.tensor(float(rank))
+        return out
+
+    return loss
+
+
+def _epoch_averages(rank: int, world: int):
+    torch.manual_seed(0)
+    kw = {"loss_fn": _weighted_by_rank(rank), "available": 7 if rank == 0 else 5}
+    straight = EpochRecords()
+    loop, _, reporter = _loop(*EPOCHS, model=DDP(fakes.make_model()), callbacks=[straight], **kw)
+    loop.run()
+    state, position = reporter.saved[4]  # one step into epoch 1
+    # Every worker resumes from rank 0's shared state with its own RNG, as from a checkpoint.
+    shared = dist.all_gather_object(state)[0]
+    resumed = EpochRecords()
+    loop2, _, reporter2 = _loop(
+        *EPOCHS,
+        model=DDP(fakes.make_model(seed=9)),
+        state={**shared, "rng": state["rng"]},
+        callbacks=[resumed],
+        **kw,
+    )
+    loop2.run(position)
+    return {
+        "straight": straight.records,
+        "resumed": resumed.records,
+        "position": (position.epoch, position.batches),
+        "saved_epoch": state["meters"]["epoch"],
+        "final": reporter.reports[-1]["metrics"],
+    }
+
+
+def _untimed(records):
+    return [(e, s, {k: v for k, v in m.items() if "time" not in k and "_per_s" not in k}) for e, s, m in records]
+
+
+def test_epoch_averages_over_two_workers_continue_across_a_mid_epoch_resume():
+    outcomes = run_gloo(2, _epoch_averages, timeout=180)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    a, b = (o.value for o in outcomes)
+    assert _untimed(a["straight"]) == _untimed(b["straight"])  # the same records on every worker
+    assert [(e, s) for e, s, _ in a["straight"]] == [(0, 3), (1, 6), (2, 9)]
+    for _, _, m in a["straight"]:
+        # 3 updates an epoch: worker 0 gives 2 micro-batches of weight 1 to each; worker 1 (5
+        # batches) 2, 2 and 1 of weight 3. Its "rank" is 1: 15 of the weight of 21.
+        assert m["train_rank"] == pytest.approx(15 / 21)
+        assert m["train_sample_size"] == pytest.approx((8 + 8 + 5) / 3)
+    assert a["position"] == (1, 2) and a["saved_epoch"]  # the checkpoint holds epoch 1's first update
+    # Resumed inside epoch 1, the run ends epochs 1 and 2 with the uninterrupted run's averages.
+    assert _untimed(a["resumed"]) == _untimed(a["straight"][1:])
+    assert _untimed(b["resumed"]) == _untimed(b["straight"][1:])
+    # The final report (summary.json) carries the last epoch's averages.
+    assert a["final"]["train_rank"] == a["straight"][-1][2]["train_rank"]
+    assert a["final"]["train_loss"] == a["straight"][-1][2]["train_loss"]
+
+
+def test_a_run_stopped_inside_an_epoch_by_max_steps_leaves_its_sums_to_a_longer_rerun():
+    base = ["accum.steps=2", "checkpoint.every_steps=0", "logging.every_steps=2"]
+    straight, whole = EpochRecords(), EpochRecords()
+    _run(*base, "loop.max_steps=6", callbacks=[whole])  # two epochs of 3 updates
+    _, _, reporter = _run(*base, "loop.max_steps=5", callbacks=[straight])
+    state, position = reporter.saved[5]  # the final checkpoint, 2 updates into epoch 1
+    assert [e for e, _, _ in straight.records] == [0] and position == Position(1, 4)
+    rerun = EpochRecords()
+    _run(*base, "loop.max_steps=6", model=fakes.make_model(seed=9), state=state, position=position, callbacks=[rerun])
+    assert _untimed(rerun.records) == _untimed(whole.records[1:])

@@ -41,8 +41,13 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = Path(out.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
     assert run_dir.parent == tmp_path
-    assert "step 5/63" in out.stdout + out.stderr  # progress lines on the driver
-    _assert_a_clean_console(out.stdout + out.stderr, run_dir)
+    console = out.stdout + out.stderr
+    assert "step 5/63" in console  # progress lines on the driver
+    line = next(x for x in console.splitlines() if "step 25/63" in x)
+    for part in ("| epoch 1 | loss ", " acc ", "| lr ", "| data ", "s batch ", "| eta "):
+        assert part in line, line  # the criterion's terms, the lr, waiting for data against the step
+    assert "epoch 2 ended at step 63, averages over the epoch: loss " in console
+    _assert_a_clean_console(console, run_dir)
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 64))  # 3 epochs x 21 steps
@@ -52,8 +57,13 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert accuracy[-1] > accuracy[0] and accuracy[-1] >= 0.8, accuracy
     assert "eval_ema_accuracy" in evals[-1]
 
+    epochs = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 21), (1, 42), (2, 63)]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] and 0 < epochs[-1]["train_acc"] <= 1
+
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metrics"]["eval_accuracy"] == accuracy[-1] and summary["metrics"]["step"] == 63
+    assert summary["metrics"]["train_loss"] == epochs[-1]["train_loss"]  # the last epoch's averages
     assert summary["checkpoint"].endswith("checkpoint_00000063")
     checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert checkpoints == ["checkpoint_00000042", "checkpoint_00000063"]  # checkpoint.keep=2
@@ -83,7 +93,7 @@ def _assert_a_clean_console(console: str, run_dir: Path) -> None:
     lines = console.splitlines()
     assert [line for line in lines if line.startswith("eval at step ")][0].startswith("eval at step 21: eval_accuracy")
     assert "checkpoint at step 21: " in console
-    ours = ("run directory: ", "step ", "eval at step ", "checkpoint at step ", "finished in ")
+    ours = ("run directory: ", "step ", "epoch ", "eval at step ", "checkpoint at step ", "finished in ")
     assert [line for line in lines if not line.startswith(ours)] == []
     ray_log = (run_dir / "ray.log").read_text()
     assert "TrainingReport(" in ray_log and "(TrainController pid=" in ray_log and "Started a local Ray" in ray_log

@@ -21,6 +21,7 @@ __all__ = [
     "GradSyncConfig",
     "SpikeConfig",
     "LoggingConfig",
+    "SmoothingConfig",
     "EngineConfig",
     "default_schedules",
 ]
@@ -244,10 +245,30 @@ class SpikeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class SmoothingConfig:
+    """How the progress line smooths the interval metrics (TensorBoard and the reports keep the
+    interval means, ``metrics.jsonl`` each step's values)."""
+
+    kind: Literal["momentum", "median"] = opt(
+        "momentum",
+        "momentum: sum(m^i * v[t-i]) / sum(m^i) over the intervals so far (seamseg); "
+        "median: of the last `window` intervals (DETR).",
+    )
+    momentum: float = opt(0.9, "m for kind=momentum, in [0, 1); 0 shows the latest interval as is.")
+    window: int = opt(5, "Intervals in the median for kind=median; 1 shows the latest as is.")
+
+    def __post_init__(self) -> None:
+        at_least(self, 1, "window")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("momentum", f"must be in [0, 1); got {self.momentum}")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
-    """Metric cadence."""
+    """Metric cadence, and the smoothing of the progress line."""
 
     every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
+    smoothing: SmoothingConfig = opt(SmoothingConfig(), "Smoothing of the values the progress line shows.")
     verbose: bool = opt(
         False,
         "Print Ray's own output (its INFO lines, warnings, every report) on the console instead of in <run>/ray.log.",

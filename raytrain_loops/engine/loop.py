@@ -6,7 +6,8 @@ The loop talks to the outside through three small interfaces (see docs/architect
 - a :class:`BatchSource`: this worker's batches of a split for an epoch, from a position;
 - a :class:`Reporter`: metrics, and a checkpoint of the engine with its data position;
 - :class:`Callback` objects, with no-op defaults, for what varies between runs: the run log and
-  progress line, the loss-spike guard, injected faults.
+  progress line, the loss-spike guard, injected faults. At each epoch's end they get the epoch's
+  averages over all workers (``on_epoch``); every report carries the latest ones.
 
 Every decision in the loop comes from values that are identical on every worker (the step's
 all-reduced result, counters), so every worker makes the same calls to collectives, to the
@@ -105,6 +106,11 @@ class Callback:
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         """After an evaluation, with its metrics averaged over all workers."""
+
+    def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        """At the end of training epoch ``epoch`` (before its evaluation), with the epoch's
+        averages over all workers and all its applied updates (``train_<name>``), the same on
+        every worker."""
 
     def before_checkpoint(self) -> None:
         """Right before a checkpoint is reported (flush what must be in the run directory)."""
@@ -252,6 +258,7 @@ class Loop:
         self.metrics: dict[str, float] = {}  # the latest interval's, carried by every report
         self.last_eval: dict[str, float] = {}  # the latest evaluation's, carried by every report
         self.eval_step: int | None = None  # the step of that evaluation
+        self.last_epoch: dict[str, float] = {}  # the latest finished epoch's averages, carried by every report
         self.calls = 0
 
     @property
@@ -296,6 +303,9 @@ class Loop:
             return Position(epoch, done * k), False  # a resumed run continues right here
         for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
             pass
+        self.last_epoch = {f"train_{k}": v for k, v in engine.end_epoch_metrics().items()}
+        for cb in self.callbacks:
+            cb.on_epoch(self.last_epoch, engine.step, epoch)
         engine.epoch += 1
         position = Position(engine.epoch, 0)
         s = self.settings
@@ -331,11 +341,14 @@ class Loop:
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)
         # Every report carries the latest evaluation, so a sweep's metric is in each of them.
-        metrics = {**self.metrics, **({"done": 1.0} if done else {}), **self.last_eval}
+        metrics = {**self.metrics, **self.last_epoch, **({"done": 1.0} if done else {}), **self.last_eval}
         metrics.update(step=engine.step, epoch=engine.epoch)
         if self.eval_step is not None:  # the evaluation carried may be older than this step
             metrics["evaluated_step"] = self.eval_step
         if checkpoint_now:
+            # The epoch's sums so far, over all workers, go into the checkpoint: a run resumed
+            # from it ends the epoch with the same averages as this one.
+            engine.flush_epoch_metrics()
             for cb in self.callbacks:
                 cb.before_checkpoint()
             states = {cb.state_key: cb.state_dict() for cb in self.callbacks}

@@ -260,7 +260,8 @@ class Engine:
             raise ValueError("Engine: counts and count_keys go together (the keys fix the all-reduce's layout)")
         self._counts, self._count_keys = counts, tuple(count_keys)
         self._after_step = after_step
-        self.meters = Meters()
+        self.meters = Meters(epochs=True)
+        self._meters_flushed_at: int | None = None  # the step of the epoch sums' last reduction
         self._dummy: Any = None
         # Counters: all part of the saved state.
         self.step = 0
@@ -598,6 +599,7 @@ class Engine:
         m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
         m.add("compute_time", compute)
         m.add("data_time", data_time)
+        m.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
 
     def reduce_metrics(self) -> dict[str, float]:
         """Means over all workers since the last call, plus counters. Every worker must call it
@@ -608,6 +610,21 @@ class Engine:
         if self.scaler.is_enabled():
             out["loss_scale"] = self.scaler.get_scale()
         return out
+
+    def flush_epoch_metrics(self) -> None:
+        """Reduce the epoch's metric sums so far over all workers, so that the state dict holds
+        them for every worker (before a checkpoint). Every worker must call it at the same point;
+        it runs a collective only when an update was applied since the last one (the step count
+        is the same on every worker, so they agree)."""
+        if self._meters_flushed_at != self.step:
+            self.meters.flush_epoch()
+            self._meters_flushed_at = self.step
+
+    def end_epoch_metrics(self) -> dict[str, float]:
+        """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
+        fresh epoch. Every worker must call it at the same point (one all-reduce)."""
+        self._meters_flushed_at = self.step
+        return self.meters.end_epoch()
 
     # ------------------------------------------------------------------ state
 
@@ -626,6 +643,7 @@ class Engine:
                 **{f"in_a_row_{k}": v for k, v in self._in_a_row.items()},
             },
             "callbacks": dict(self.callback_state),
+            "meters": self.meters.state_dict(),
             "rng": rng_state(),
         }
 
@@ -646,5 +664,7 @@ class Engine:
         # callback state.
         self._in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self._in_a_row}
         self.callback_state = dict(state.get("callbacks") or {})
+        self.meters.load_state_dict(state.get("meters") or {})  # older checkpoints: a fresh epoch
+        self._meters_flushed_at = self.step
         if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
             set_rng_state(state["rng"])

@@ -1,7 +1,9 @@
-"""Rank 0's record of a run: per-step JSON lines, TensorBoard events and a progress line.
+"""Rank 0's record of a run: per-step JSON lines, per-epoch averages, TensorBoard events and a
+progress line.
 
-A loop :class:`~raytrain_loops.engine.loop.Callback`. On every other rank its methods do
-nothing, so every worker runs the same loop.
+A loop :class:`~raytrain_loops.engine.loop.Callback`. On every other rank its methods write
+nothing, so every worker runs the same loop; every rank keeps the progress line's smoothing
+(the interval metrics are the same on every worker), so its state is too.
 """
 
 from __future__ import annotations
@@ -12,27 +14,56 @@ import os
 import shutil
 import time
 from datetime import timedelta
+from typing import Any
 
+from raytrain_loops.config.engine import SmoothingConfig
 from raytrain_loops.engine import StepResult
 from raytrain_loops.engine.loop import Callback
+from raytrain_loops.engine.meters import Smoother
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.console import Sender
 
+LOGS = ("metrics.jsonl", "eval.jsonl", "epochs.jsonl")
+# Metrics the progress line shows in places of their own, or not at all; the rest are the loss
+# and the criterion's terms and logs (a weighted term's ``_unscaled`` copy is left out too).
+NOT_TERMS = frozenset(
+    ["lr", "grad_norm", "sample_size", "sample_size_per_s", "compute_time", "data_time", "batch_time"]
+    + ["step", "epoch", "overflow", "nonfinite", "oom", "loss_scale"]
+)
+
+
+def _terms(values: dict[str, float]) -> str:
+    """The loss, then every other term and log of the criterion, by name."""
+    terms = sorted(k for k in values if k not in NOT_TERMS and k != "loss" and not k.endswith("_unscaled"))
+    return " ".join(f"{k} {values[k]:.4g}" for k in ["loss", *terms] if k in values)
+
 
 class RunLog(Callback):
-    """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` and ``tb/`` for rank 0."""
+    """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` (one per evaluation),
+    ``epochs.jsonl`` (one per finished epoch: its averages over all workers) and ``tb/`` for
+    rank 0, and prints the progress line, its values smoothed as ``smoothing`` says."""
 
     # Where the progress and evaluation lines go: the driver's console (set by the worker to the
     # run's :class:`~raytrain_loops.launch.console.Sender`), else this process's stdout.
     sender: Sender | None = None
 
     def __init__(
-        self, run_dir: str, rank: int, total_steps: int, progress: bool, start_step: int = 0, workers: int = 1
+        self,
+        run_dir: str,
+        rank: int,
+        total_steps: int,
+        progress: bool,
+        start_step: int = 0,
+        workers: int = 1,
+        smoothing: SmoothingConfig | None = None,
     ):
         self.enabled = rank == 0
         self.workers = workers
         self.total_steps = total_steps
         self.progress = progress
+        s = smoothing or SmoothingConfig()
+        self.smoother = Smoother(s.kind, s.momentum, s.window)
+        self.smoothed: dict[str, float] = {}
         if not self.enabled:
             return
         self.run_dir = run_dir
@@ -44,6 +75,7 @@ class RunLog(Callback):
         # Held open for the whole run (one line per step) and closed in close().
         self._steps = open(os.path.join(self.local_dir, "metrics.jsonl"), "a")  # noqa: SIM115
         self._evals = open(os.path.join(self.local_dir, "eval.jsonl"), "a")  # noqa: SIM115
+        self._epochs = open(os.path.join(self.local_dir, "epochs.jsonl"), "a")  # noqa: SIM115
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(self.local_dir, "tb"))
@@ -54,7 +86,7 @@ class RunLog(Callback):
         """Start from the lines an earlier attempt (or run) uploaded, so that the upload at the
         next checkpoint extends the run's log instead of replacing it (as a local run directory's
         files are appended to)."""
-        for name in ("metrics.jsonl", "eval.jsonl"):
+        for name in LOGS:
             text = storage.read_text(storage.join(self.run_dir, name))
             if text:
                 with open(os.path.join(self.local_dir, name), "w") as f:
@@ -78,8 +110,16 @@ class RunLog(Callback):
         }
         self._steps.write(json.dumps(record) + "\n")
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"smoother": self.smoother.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.smoother.load_state_dict(state.get("smoother") or {})
+
     def on_interval(self, metrics: dict[str, float], step: int) -> None:
-        """Once per logging interval: TensorBoard scalars and the progress line."""
+        """Once per logging interval: the smoothing (every rank), TensorBoard scalars and the
+        progress line."""
+        self.smoothed = self.smoother.update({k: v for k, v in metrics.items() if k not in ("step", "epoch")})
         if not self.enabled:
             return
         self._steps.flush()
@@ -89,15 +129,38 @@ class RunLog(Callback):
             self._show("progress", self.progress_line(metrics, step), step=step, total=self.total_steps)
 
     def progress_line(self, metrics: dict[str, float], step: int) -> str:
+        """One line: the step, the epoch, the loss and every term (smoothed), the lr, the data
+        and batch time (smoothed: waiting for data against the whole step), the rate and eta."""
         elapsed = time.perf_counter() - self._t0
         done = max(step - self._start_step, 1)
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total_steps - step) / rate if rate > 0 else math.inf
         eta_text = str(timedelta(seconds=int(eta))) if math.isfinite(eta) else "?"
+        smoothed = self.smoothed
+        epoch = metrics.get("epoch")
         return (
-            f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | {rate:.1f} steps/s | "
-            f"loss {metrics.get('loss', math.nan):.4f} | lr {metrics.get('lr', math.nan):.2e} | eta {eta_text}"
+            f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | "
+            f"epoch {int(epoch) if epoch is not None else '?'} | {_terms(smoothed) or 'loss ?'} | "
+            f"lr {metrics.get('lr', math.nan):.2e} | data {smoothed.get('data_time', math.nan):.3f}s "
+            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rate:.1f} steps/s | eta {eta_text}"
         )
+
+    def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        """The epoch's averages over all workers: a line of ``epochs.jsonl``, TensorBoard scalars
+        by epoch, and a line on the console."""
+        if not self.enabled:
+            return
+        self._epochs.write(json.dumps({"epoch": epoch, "step": step, **metrics, "time": time.time()}) + "\n")
+        self._epochs.flush()
+        for name, value in metrics.items():
+            self._tb.add_scalar(name.replace("train_", "epoch/", 1), value, epoch)
+        if self.progress:
+            means = {k.removeprefix("train_"): v for k, v in metrics.items()}
+            shown = " | ".join(
+                [_terms(means), f"lr {means.get('lr', math.nan):.2e}"]
+                + [f"{k} {means[k]:.3f}s" for k in ("data_time", "batch_time") if k in means]
+            )
+            self._show("epoch", f"epoch {epoch} ended at step {step}, averages over the epoch: {shown}", step=step)
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if not self.enabled:
@@ -132,6 +195,7 @@ class RunLog(Callback):
             self.sender.flush()
         self._steps.close()
         self._evals.close()
+        self._epochs.close()
         self._tb.close()
         if self.remote:
             storage.upload_dir(self.local_dir, self.run_dir)  # the events the writer flushed on close
