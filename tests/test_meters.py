@@ -28,6 +28,18 @@ def test_momentum_smoothing_weighs_earlier_intervals_by_powers_of_the_momentum()
     assert Smoother("momentum", momentum=0.0).update({"x": 3.0}) == {"x": 3.0}
 
 
+def test_smoothing_counts_in_steps_whatever_the_logging_cadence():
+    # An interval of 3 steps is smoothed as 3 steps of its mean, so the line does not lag more
+    # (in steps) when metrics are gathered less often.
+    per_step, per_interval = Smoother("momentum", 0.8), Smoother("momentum", 0.8, steps_per_interval=3)
+    for v in (4.0, 1.0, 7.0):
+        for _ in range(3):
+            expected = per_step.update({"loss": v})
+        assert per_interval.update({"loss": v})["loss"] == pytest.approx(expected["loss"])
+    median = Smoother("median", window=6, steps_per_interval=3)  # the last 2 intervals
+    assert [median.update({"x": v})["x"] for v in (5.0, 1.0, 9.0)] == [5.0, 3.0, 5.0]
+
+
 def test_median_smoothing_is_the_median_of_the_last_window_intervals():
     s = Smoother("median", window=3)
     seen = [s.update({"loss": v})["loss"] for v in (5.0, 1.0, 9.0, 3.0, 7.0)]

@@ -251,11 +251,11 @@ class SmoothingConfig:
 
     kind: Literal["momentum", "median"] = opt(
         "momentum",
-        "momentum: sum(m^i * v[t-i]) / sum(m^i) over the intervals so far (seamseg); "
-        "median: of the last `window` intervals (DETR).",
+        "momentum: sum(m^i * v[t-i]) / sum(m^i) over the steps so far, each step taking its interval's mean "
+        "(seamseg); median: of the intervals covering the last `window` steps (DETR).",
     )
-    momentum: float = opt(0.9, "m for kind=momentum, in [0, 1); 0 shows the latest interval as is.")
-    window: int = opt(5, "Intervals in the median for kind=median; 1 shows the latest as is.")
+    momentum: float = opt(0.9, "m (per step) for kind=momentum, in [0, 1); 0 shows the latest interval as is.")
+    window: int = opt(20, "Steps in the median's window for kind=median; at most one interval shows it as is.")
 
     def __post_init__(self) -> None:
         at_least(self, 1, "window")

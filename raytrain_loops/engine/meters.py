@@ -132,16 +132,25 @@ class Smoother:
     """Smoothed values of a series of interval means that are the same on every worker, so
     smoothing them takes no collective.
 
-    ``momentum`` (seamseg's meters): ``sum(m**i * v[t-i]) / sum(m**i)`` over the intervals so
-    far, a moving average without the start-up bias of one that begins at 0 (the first value is
-    shown as is). ``median`` (DETR's ``SmoothedValue``): the median of the last ``window`` values.
+    Both kinds count in steps, as the seeds' meters do (they update every iteration), so that the
+    logging cadence does not change how far back the line looks: an interval of
+    ``steps_per_interval`` steps stands for that many steps of its mean.
+
+    ``momentum`` (seamseg's meters): ``sum(m**i * v[t-i]) / sum(m**i)`` over the steps so far, a
+    moving average without the start-up bias of one that begins at 0 (the first value is shown as
+    is). ``median`` (DETR's ``SmoothedValue``): the median of the intervals covering the last
+    ``window`` steps.
     """
 
-    def __init__(self, kind: str = "momentum", momentum: float = 0.9, window: int = 5):
+    def __init__(self, kind: str = "momentum", momentum: float = 0.9, window: int = 20, steps_per_interval: int = 1):
         if kind not in ("momentum", "median"):
             raise ValueError(f"smoothing kind must be 'momentum' or 'median'; got {kind!r}")
         self.kind, self.momentum, self.window = kind, float(momentum), int(window)
-        self._series: dict[str, list[float]] = {}  # momentum: [sum, count]; median: the window
+        self._k = k = max(int(steps_per_interval), 1)
+        self._decay = self.momentum**k  # an interval's k steps age the past by m^k...
+        self._weight = (1.0 - self._decay) / (1.0 - self.momentum)  # ...and add sum(m^j, j < k) of its mean
+        self._kept = max(1, -(-self.window // k))  # the intervals the median's window covers
+        self._series: dict[str, list[float]] = {}  # momentum: [sum, weight]; median: the window
 
     def update(self, values: Mapping[str, float]) -> dict[str, float]:
         """Take one interval's values; return every name's smoothed value so far."""
@@ -149,13 +158,13 @@ class Smoother:
             v = float(v)
             series = self._series.get(name)
             if self.kind == "median":
-                kept = (series or [])[len(series or []) - self.window + 1 :] if self.window > 1 else []
+                kept = (series or [])[len(series or []) - self._kept + 1 :] if self._kept > 1 else []
                 self._series[name] = kept + [v]
             elif series is None:
-                self._series[name] = [v, 1.0]
+                self._series[name] = [self._weight * v, self._weight]
             else:
-                series[0] = self.momentum * series[0] + v
-                series[1] = self.momentum * series[1] + 1.0
+                series[0] = self._decay * series[0] + self._weight * v
+                series[1] = self._decay * series[1] + self._weight
         return self.values()
 
     def values(self) -> dict[str, float]:
@@ -166,14 +175,14 @@ class Smoother:
 
     def state_dict(self) -> dict[str, Any]:
         """The settings and the series, to continue after a resume."""
-        settings = {"kind": self.kind, "momentum": self.momentum, "window": self.window}
+        settings = {"kind": self.kind, "momentum": self.momentum, "window": self.window, "steps_per_interval": self._k}
         return {**settings, "series": {name: list(s) for name, s in self._series.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the saved series; a run resumed with other settings (``logging`` may change
         on a rerun) starts its smoothing afresh."""
-        settings = (state.get("kind"), state.get("momentum"), state.get("window"))
-        if settings != (self.kind, self.momentum, self.window):
+        settings = (state.get("kind"), state.get("momentum"), state.get("window"), state.get("steps_per_interval", 1))
+        if settings != (self.kind, self.momentum, self.window, self._k):
             self._series = {}
             return
         self._series = {str(k): [float(x) for x in s] for k, s in state.get("series", {}).items()}

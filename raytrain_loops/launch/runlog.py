@@ -56,13 +56,14 @@ class RunLog(Callback):
         start_step: int = 0,
         workers: int = 1,
         smoothing: SmoothingConfig | None = None,
+        steps_per_interval: int = 1,
     ):
         self.enabled = rank == 0
         self.workers = workers
         self.total_steps = total_steps
         self.progress = progress
         s = smoothing or SmoothingConfig()
-        self.smoother = Smoother(s.kind, s.momentum, s.window)
+        self.smoother = Smoother(s.kind, s.momentum, s.window, steps_per_interval)
         self.smoothed: dict[str, float] = {}
         if not self.enabled:
             return

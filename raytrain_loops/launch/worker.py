@@ -104,7 +104,16 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     if rank == 0 and world != config.scaling.num_workers:
         k = accum_steps(config.accum, engine.epoch, scale)
         sender.send("start", f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update")
-    log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world, config.logging.smoothing)
+    log = RunLog(
+        run_dir,
+        rank,
+        total,
+        config.run.progress,
+        engine.step,
+        world,
+        config.logging.smoothing,
+        config.logging.every_steps,
+    )
     log.sender = sender
     callbacks = [log, SpikeGuard(config.spike), faults]
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
