@@ -210,7 +210,7 @@ def test_throughput_reports_tflops_mfu_and_the_intervals_peak_gpu_memory():
     batches = [(torch.randn(256, 1024, device="cuda", generator=g),) * 2 for _ in range(12)]
     engine = Engine(model, fakes.mean_loss, cfg.engine, total_steps=12)
     intervals = Intervals()
-    callbacks = [Throughput(cfg.logging.throughput, engine.device), intervals]
+    callbacks = [Throughput(cfg.logging.throughput, engine, fakes.mean_loss), intervals]
     Loop(engine, ListSource(batches, [], 0, 1), Recorder(), LoopSettings.of(cfg), None, callbacks).run()
     m = intervals.metrics[-1]
     # Per sample: the forward's two matrix products, both weight gradients and the second

@@ -131,9 +131,8 @@ def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_rem
     profile = Profile(cfg.logging.profile, run, 1, torch.device("cpu"))
     engine = Engine(fakes.make_model(), fakes.mean_loss, fakes.config("schedules.lr.value=0.05").engine, total_steps=4)
     for _ in range(4):
-        with profile.step_context(engine.step):
-            result = engine.train_step([fakes.regression_data()])
-        profile.on_step(result, engine.step, 0)
+        profile.before_step(engine.step, [fakes.regression_data()])
+        profile.on_step(engine.train_step([fakes.regression_data()]), engine.step, 0)
     profile.close()
     assert profile.traces == [storage.join(run, "profile", "rank1.3.pt.trace.json")]
     assert list(_files(run)) == ["profile/rank1.3.pt.trace.json"]

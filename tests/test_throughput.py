@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, LossOutput, unwrap
 from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
 from raytrain_loops.engine.throughput import Throughput, gpu_peak_tflops, peak_tflops
@@ -20,8 +21,18 @@ from tests.test_loop import BATCH, FakeSource, RecordingReporter, _evaluate
 
 # TinyNet(6 -> 16 -> 3) per sample: forward 2 * (6 * 16 + 16 * 3) = 288 multiply-adds counted
 # twice; backward: the encoder's weight gradient (192; its input needs none), the head's weight
-# and input gradients (96 + 96). Norms and activations are not matrix products: not counted.
-TINY_FLOPS_PER_SAMPLE = 288 + 192 + 192
+# and input gradients (96 + 96). Norms and activations are not matrix products: not counted. The
+# criterion below runs the encoder twice: 2 * 96 forward and 192 backward more.
+TINY_FLOPS_PER_SAMPLE = 288 + 192 + 192 + 192 + 192
+
+
+def prod_loss(model, batch, ctx) -> LossOutput:
+    """MSE plus a product over the hidden features: under any Python dispatch mode autograd takes
+    another branch of ``prod``'s backward, which differs in the last bit, so a step run under the
+    FLOP counter would not be the step of a run without it."""
+    x, y = batch
+    hidden = unwrap(model).encoder(x)
+    return LossOutput(F.mse_loss(model(x), y) + (1 + 0.1 * hidden.tanh()).prod(), sample_size=len(x))
 
 
 @pytest.mark.parametrize(
@@ -69,10 +80,10 @@ def _train(rank: int, world: int, overrides: tuple[str, ...], throughput: bool, 
     torch.manual_seed(0)
     model = fakes.make_model(dropout=0.3)  # dropout: the run's RNG stream shows in the weights
     model = DDP(model) if world > 1 else model
-    engine = Engine(model, fakes.mean_loss, cfg.engine, total_steps=total)
+    engine = Engine(model, prod_loss, cfg.engine, total_steps=total)
     torch.manual_seed(10 + rank)
     reporter = RecordingReporter(engine)
-    callbacks = [Throughput(cfg.logging.throughput, engine.device)] if throughput else []
+    callbacks = [Throughput(cfg.logging.throughput, engine, prod_loss)] if throughput else []
     Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks).run()
     intervals = [r["metrics"] for r in reporter.reports]
     return {"metrics": intervals, "weights": fakes.params(engine.module), "rng": torch.rand(3)}
@@ -95,7 +106,7 @@ def test_throughput_flops_and_memory_over_two_workers_leave_the_weights_and_rng_
         assert not any("samples_per_s" in k for r in plain["metrics"] for k in r)
     first, second = (o.value[0]["metrics"] for o in outcomes)
     assert first == second  # every worker holds the same interval metrics
-    m = first[0]  # step 3: the counted first step is left out of the rates
+    m = first[0]  # step 3
     assert m["flops_per_sample"] == TINY_FLOPS_PER_SAMPLE
     assert m["samples_per_s"] == pytest.approx(m["samples_per_s/rank0"] + m["samples_per_s/rank1"])
     assert m["samples_per_s/rank0"] > 0 and m["samples_per_s/rank1"] > 0
@@ -117,10 +128,9 @@ def test_a_configured_peak_gives_mfu_on_a_cpu():
 
 def test_throughput_can_be_turned_off():
     cfg = load_config(None, ["logging.throughput.enabled=false"])
-    cb = Throughput(cfg.logging.throughput, torch.device("cpu"))
     engine = Engine(fakes.make_model(), fakes.mean_loss, fakes.config().engine, total_steps=2)
+    cb = Throughput(cfg.logging.throughput, engine, fakes.mean_loss)
     x, y = fakes.regression_data(n=BATCH)
-    with cb.step_context(0):
-        result = engine.train_step([(x, y)])
-    cb.on_step(result, 1, 0)
+    cb.before_step(0, [(x, y)])
+    cb.on_step(engine.train_step([(x, y)]), 1, 0)
     assert cb.flops_per_sample is None and cb.interval_meters() == {} and cb.interval_metrics({}) == {}

@@ -15,7 +15,6 @@ reporter and to the callbacks, in the same order.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -101,10 +100,9 @@ class Callback:
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         """After every call of the step, applied or skipped; ``step`` counts applied updates."""
 
-    def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        """Entered around each call of the step (``step``: the updates done before it), for what
-        must wrap the step itself (a FLOP counter, a profiler)."""
-        return contextlib.nullcontext()
+    def before_step(self, step: int, micro_batches: Sequence[Any]) -> None:
+        """Right before each call of the step (``step``: the updates done before it), with its
+        micro-batches (``None``: this worker has run out of data); they must stay as they are."""
 
     def interval_meters(self) -> dict[str, tuple[Any, float]]:
         """``(value, weight)`` per name, added to the engine's meters right before the interval's
@@ -323,10 +321,9 @@ class Loop:
 
     def _step(self, group: list[Any], wait: float, after: Position) -> None:
         engine, s = self.engine, self.settings
-        with contextlib.ExitStack() as around:
-            for cb in self.callbacks:
-                around.enter_context(cb.step_context(engine.step))
-            result = engine.train_step(group, data_time=wait)
+        for cb in self.callbacks:
+            cb.before_step(engine.step, group)
+        result = engine.train_step(group, data_time=wait)
         self.calls += 1
         for cb in self.callbacks:
             cb.on_step(result, engine.step, after.epoch)

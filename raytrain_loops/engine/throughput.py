@@ -1,13 +1,14 @@
 """Throughput, model FLOPs, MFU and peak memory per logging interval: a loop callback.
 
-FLOPs are counted once, on the first step that has data, by running that live step under
-``torch.utils.flop_counter.FlopCounterMode``. The mode only observes the operators the step runs
-(same kernels, same inputs, no random draws of its own), so the run's weights and RNG stream are
-those of a run without it; counting a copy instead would cost a second model in memory and a
-second forward and backward whose random draws (dropout, a task's augmentations) would have to
-be fenced off from the run's stream. The count covers everything the step runs on this worker:
-all its micro-batches, forward and backward, and a teacher's forward inside the criterion.
-That step's time is left out of the rates (the counter slows it down).
+FLOPs are counted once, before the first step that has data, by a forward and backward of the
+task's criterion on that step's first micro-batch, run on a copy of the model (and of its EMA,
+which a criterion may call) under ``torch.utils.flop_counter.FlopCounterMode``, with every RNG
+state saved before and restored after. Not on the live step: under any Python dispatch mode
+some of autograd's backward formulas take another branch (``prod``'s, for one, differs in the
+last bit), so the counted step would not be the step a run without the counter takes. The copy
+costs one more set of weights, gradients and one micro-batch's activations, once; on a GPU the
+peak-memory statistics are reset after it. The counted criterion is the task's own, not the
+engine's wrapped one (an injected fault must not fire on the copy).
 
 Every number that needs all workers rides in the interval's one all-reduce (the engine's
 meters): each worker gives its own values under ``name/rank<r>``, and the totals (sums of rates,
@@ -16,11 +17,12 @@ the largest memory) are derived from those reduced values, identical on every wo
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import re
 import resource
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,8 +30,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config.engine import ThroughputConfig
 from raytrain_loops.engine import dist
+from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.loop import Callback
-from raytrain_loops.engine.step import Decision, StepResult
+from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.rng import rng_state, set_rng_state
+from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, to_device
 
 __all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops"]
 
@@ -109,35 +114,69 @@ class Throughput(Callback):
     - ``gpu_max_allocated_gib`` (``torch.cuda.max_memory_allocated`` over the interval, reset
       after each read) or, on a CPU, ``cpu_peak_rss_gib`` (the process's peak resident memory
       since it started): the largest over workers, and ``/rank<r>``.
+
+    ``criterion`` is the task's; ``counts`` its ``Task.counts`` when it declares any (the copy's
+    context gets this micro-batch's counts as its totals).
     """
 
-    def __init__(self, cfg: ThroughputConfig, device: torch.device):
+    def __init__(
+        self,
+        cfg: ThroughputConfig,
+        engine: Engine,
+        criterion: LossFn,
+        counts: Callable[[Any], dict[str, float]] | None = None,
+    ):
         self.enabled = cfg.enabled
-        self.device = device
+        self.engine, self.criterion, self.counts = engine, criterion, counts
+        self.device = engine.device
         self.rank = dist.rank()
-        self.gpu = device.type == "cuda"
-        self.peak = peak_tflops(cfg.peak_tflops, device) if self.enabled else None
+        self.gpu = self.device.type == "cuda"
+        self.peak = peak_tflops(cfg.peak_tflops, self.device) if self.enabled else None
         self.flops_unit, self.flops_scale = ("tflops_per_s", 1e12) if self.gpu else ("gflops_per_s", 1e9)
         self.memory_name = "gpu_max_allocated_gib" if self.gpu else "cpu_peak_rss_gib"
         self.flops_per_sample: float | None = None
-        self._counter: FlopCounterMode | None = None
+        self._measured = not self.enabled
         self._samples: torch.Tensor | float = 0.0
         self._seconds = 0.0
 
-    def step_context(self, step: int) -> contextlib.AbstractContextManager:
-        if not self.enabled or self.flops_per_sample is not None:
-            return contextlib.nullcontext()
-        self._counter = FlopCounterMode(display=False)
-        return self._counter
+    def before_step(self, step: int, micro_batches: Sequence[Any]) -> None:
+        if self._measured:
+            return
+        batch = next((b for b in micro_batches if b is not None), None)
+        if batch is None:
+            return  # this worker has no data now: count on a later step
+        self._measured = True
+        state = rng_state()
+        try:
+            self.flops_per_sample = self._count(to_device(batch, self.device))
+        except Exception as err:
+            if not is_oom(err):
+                raise
+            warnings.warn(f"no room to count FLOPs on a copy of the model ({err}): no FLOP/s or MFU", stacklevel=2)
+        finally:
+            set_rng_state(state)
+            if self.gpu:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _count(self, batch: Any) -> float | None:
+        """FLOPs per unit of one forward and backward of the criterion on copies of the model
+        and its EMA; None when the micro-batch has no units."""
+        engine = self.engine
+        model = copy.deepcopy(engine.module).train()
+        ema = copy.deepcopy(engine.ema.module) if engine.ema is not None else None
+        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema)
+        if self.counts is not None:
+            ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
+        counter = FlopCounterMode(display=False)
+        with counter:
+            with autocast(engine.config.precision, self.device):
+                out = self.criterion(model, batch, ctx)
+            out.loss.backward()
+        units = float(out.sample_size)
+        return counter.get_total_flops() / units if units > 0 else None
 
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         if not self.enabled:
-            return
-        if self._counter is not None:
-            flops, self._counter = self._counter.get_total_flops(), None
-            samples = float(result.local_sample_size)  # one host read, once
-            if samples > 0 and result.decision is not Decision.SKIP_OOM:  # else: count the next step
-                self.flops_per_sample = flops / samples
             return
         self._samples = self._samples + result.local_sample_size
         self._seconds += result.compute_time + result.data_time

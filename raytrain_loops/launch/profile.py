@@ -9,9 +9,10 @@ On an object store the trace is written to a local scratch directory and uploade
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -34,11 +35,10 @@ class Profile(Callback):
         self._step = 0
         self._local_dir: str | None = None
 
-    def step_context(self, step: int) -> contextlib.AbstractContextManager:
+    def before_step(self, step: int, micro_batches: Sequence[Any]) -> None:
         if self._pending:
             self._pending = False
             self._start(step)
-        return contextlib.nullcontext()
 
     def _start(self, step: int) -> None:
         ahead = self.cfg.start_step - step

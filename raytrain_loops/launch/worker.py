@@ -102,7 +102,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         print(f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update", flush=True)
     log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world)
     callbacks = [log, SpikeGuard(config.spike), faults]
-    callbacks.append(Throughput(config.logging.throughput, engine.device))
+    callbacks.append(
+        Throughput(config.logging.throughput, engine, task.criterion, task.counts if task.count_keys else None)
+    )
     callbacks.append(Profile(config.logging.profile, run_dir, rank, engine.device))
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
