@@ -134,3 +134,27 @@ def test_throughput_can_be_turned_off():
     cb.before_step(0, [(x, y)])
     cb.on_step(engine.train_step([(x, y)]), 1, 0)
     assert cb.flops_per_sample is None and cb.interval_meters() == {} and cb.interval_metrics({}) == {}
+
+
+def test_a_count_that_fails_leaves_out_the_flop_metrics_with_a_warning_and_the_run_goes_on():
+    calls = {"n": 0}
+
+    def first_call_runs_out_of_memory(model, batch, ctx):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the count on the copy
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return fakes.mean_loss(model, batch, ctx)
+
+    cfg = fakes.config("schedules.lr.value=0.05", "loop.max_steps=4", "logging.every_steps=2")
+    engine = Engine(fakes.make_model(), first_call_runs_out_of_memory, cfg.engine, total_steps=4)
+    intervals = []
+
+    class Intervals(Throughput):
+        def on_interval(self, metrics, step):
+            intervals.append(metrics)
+
+    cb = Intervals(cfg.logging.throughput, engine, first_call_runs_out_of_memory)
+    with pytest.warns(UserWarning, match=r"could not be counted \(no room for a copy of the model\)"):
+        Loop(engine, FakeSource(7), RecordingReporter(engine), LoopSettings.of(cfg), _evaluate, [cb]).run()
+    assert engine.step == 4 and [sorted(k for k in m if "flops" in k or k == "mfu") for m in intervals] == [[], []]
+    assert all(m["samples_per_s"] > 0 for m in intervals)

@@ -7,8 +7,10 @@ state saved before and restored after. Not on the live step: under any Python di
 some of autograd's backward formulas take another branch (``prod``'s, for one, differs in the
 last bit), so the counted step would not be the step a run without the counter takes. The copy
 costs one more set of weights, gradients and one micro-batch's activations, once; on a GPU the
-peak-memory statistics are reset after it. The counted criterion is the task's own, not the
-engine's wrapped one (an injected fault must not fire on the copy).
+peak-memory statistics are reset after it. A count that fails (no room for the copy, a model
+that cannot be deep-copied) only leaves the FLOP metrics out, with a warning. The counted
+criterion is the task's own, not the engine's wrapped one (an injected fault must not fire on
+the copy).
 
 Every number that needs all workers rides in the interval's one all-reduce (the engine's
 meters): each worker gives its own values under ``name/rank<r>``, and the totals (sums of rates,
@@ -149,10 +151,13 @@ class Throughput(Callback):
         state = rng_state()
         try:
             self.flops_per_sample = self._count(to_device(batch, self.device))
-        except Exception as err:
-            if not is_oom(err):
-                raise
-            warnings.warn(f"no room to count FLOPs on a copy of the model ({err}): no FLOP/s or MFU", stacklevel=2)
+        except Exception as err:  # an observer: the run goes on, without FLOP/s and MFU
+            why = "no room for a copy of the model" if is_oom(err) else f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"FLOPs per sample could not be counted ({why}); throughput is reported without FLOP/s and MFU "
+                "(logging.throughput.enabled=false turns the count off)",
+                stacklevel=2,
+            )
         finally:
             set_rng_state(state)
             if self.gpu:
