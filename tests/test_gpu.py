@@ -208,3 +208,39 @@ def test_map_style_batches_of_a_cuda_worker_are_pinned_and_copied_to_it():
         on_cpu = MapBatches(splits, data, 0, 0, 1, torch.device("cpu"))
         x, _ = next(iter(on_cpu.batches("train", 0)))
         assert not x.is_pinned()  # a CPU worker pins nothing
+
+
+class Intervals(Callback):
+    """Records the metrics of every logging interval."""
+
+    def __init__(self):
+        self.metrics: list[dict[str, float]] = []
+
+    def on_interval(self, metrics, step):
+        self.metrics.append(dict(metrics))
+
+
+def test_throughput_reports_tflops_mfu_and_the_intervals_peak_gpu_memory():
+    from raytrain_loops.engine.throughput import Throughput, gpu_peak_tflops
+
+    peak = gpu_peak_tflops(torch.cuda.get_device_name())  # None (and a warning) for a GPU not in the table
+    overrides = [] if peak else ["logging.throughput.peak_tflops=100"]
+    cfg = fakes.config("schedules.lr.value=0.01", "precision.dtype=bf16", "logging.every_steps=4", *overrides)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [(torch.randn(256, 1024, device="cuda", generator=g),) * 2 for _ in range(12)]
+    engine = Engine(model, fakes.mean_loss, cfg.engine, total_steps=12)
+    intervals = Intervals()
+    callbacks = [Throughput(cfg.logging.throughput, engine, fakes.mean_loss), intervals]
+    Loop(engine, ListSource(batches, [], 0, 1), Recorder(), LoopSettings.of(cfg), None, callbacks).run()
+    m = intervals.metrics[-1]
+    # Per sample: the forward's two matrix products, both weight gradients and the second
+    # layer's input gradient (the first layer's input needs none): 5 x 2 x 1024 x 4096.
+    assert m["flops_per_sample"] == 5 * 2 * 1024 * 4096
+    assert m["tflops_per_s"] == pytest.approx(m["samples_per_s"] * m["flops_per_sample"] / 1e12)
+    assert m["mfu"] == pytest.approx(m["tflops_per_s"] / (peak or 100.0)) and 0 < m["mfu"] < 1
+    # fp32 weights and gradients (plain SGD: no optimizer state) were allocated in the interval.
+    held = 2 * 4 * sum(p.numel() for p in model.parameters()) / 2**30
+    assert held < m["gpu_max_allocated_gib"] == m["gpu_max_allocated_gib/rank0"] < held + 1.0
+    assert "cpu_peak_rss_gib" not in m

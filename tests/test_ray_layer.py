@@ -37,6 +37,9 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
         f"data.dir={tmp_path / 'data'}",
         "logging.every_steps=5",
         "checkpoint.keep=2",
+        "logging.profile.enabled=true",
+        "logging.profile.start_step=5",
+        "logging.profile.steps=2",
     )
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = Path(out.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
@@ -65,6 +68,13 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert summary["metrics"]["eval_accuracy"] == accuracy[-1] and summary["metrics"]["step"] == 63
     assert summary["metrics"]["train_loss"] == epochs[-1]["train_loss"]  # the last epoch's averages
     assert summary["checkpoint"].endswith("checkpoint_00000063")
+    # Throughput and memory of both workers, through the interval's all-reduce (steps 61-63).
+    m = summary["metrics"]
+    assert m["samples_per_s"] == pytest.approx(m["samples_per_s/rank0"] + m["samples_per_s/rank1"])
+    assert m["flops_per_sample"] > 0 and m["gflops_per_s"] > 0 and m["cpu_peak_rss_gib"] > 0.1
+    for rank in (0, 1):  # a trace per worker of steps 6 and 7
+        trace = json.loads((run_dir / "profile" / f"rank{rank}.7.pt.trace.json").read_text())
+        assert {"ProfilerStep#5", "ProfilerStep#6"} <= {e.get("name") for e in trace["traceEvents"]}
     checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert checkpoints == ["checkpoint_00000042", "checkpoint_00000063"]  # checkpoint.keep=2
     assert {p.name for p in (run_dir / "checkpoint_00000063").iterdir()} >= {

@@ -118,6 +118,28 @@ def test_a_killed_workers_local_copies_are_removed_by_the_next_start(s3_root):
     log.close()
 
 
+def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_removed(s3_root):
+    import torch
+
+    from raytrain_loops.config import load_config
+    from raytrain_loops.engine import Engine
+    from raytrain_loops.launch.profile import Profile
+    from tests import fakes
+
+    run = storage.join(s3_root, "run")
+    cfg = load_config(None, ["logging.profile.enabled=true", "logging.profile.start_step=1", "logging.profile.steps=2"])
+    profile = Profile(cfg.logging.profile, run, 1, torch.device("cpu"))
+    engine = Engine(fakes.make_model(), fakes.mean_loss, fakes.config("schedules.lr.value=0.05").engine, total_steps=4)
+    for _ in range(4):
+        profile.before_step(engine.step, [fakes.regression_data()])
+        profile.on_step(engine.train_step([fakes.regression_data()]), engine.step, 0)
+    profile.close()
+    assert profile.traces == [storage.join(run, "profile", "rank1.3.pt.trace.json")]
+    assert list(_files(run)) == ["profile/rank1.3.pt.trace.json"]
+    assert "traceEvents" in json.loads(storage.read_text(profile.traces[0]))
+    assert not os.path.exists(profile._local_dir)
+
+
 class _Result(SimpleNamespace):
     """One trial's outcome, as Tune's ResultGrid holds it."""
 

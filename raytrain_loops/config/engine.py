@@ -23,6 +23,8 @@ __all__ = [
     "LoggingConfig",
     "SmoothingConfig",
     "EngineConfig",
+    "ThroughputConfig",
+    "ProfileConfig",
     "default_schedules",
 ]
 
@@ -273,6 +275,14 @@ class LoggingConfig:
         False,
         "Print Ray's own output (its INFO lines, warnings, every report) on the console instead of in <run>/ray.log.",
     )
+    # Their classes come at the end of this module, hence the factories.
+    throughput: ThroughputConfig = field(
+        default_factory=lambda: ThroughputConfig(),
+        metadata={"help": "Samples/s, FLOPs, MFU and peak memory per logging interval."},
+    )
+    profile: ProfileConfig = field(
+        default_factory=lambda: ProfileConfig(), metadata={"help": "A torch.profiler trace of a few steps."}
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "every_steps")
@@ -295,3 +305,31 @@ class EngineConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     oom: OOMConfig = field(default_factory=OOMConfig)
     grad_sync: GradSyncConfig = field(default_factory=GradSyncConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class ThroughputConfig:
+    """Throughput, FLOPs, MFU and peak memory in the interval metrics (``logging.throughput``)."""
+
+    enabled: bool = opt(True, "Measure FLOPs per sample on the first step and report throughput every interval.")
+    peak_tflops: float = opt(
+        0.0,
+        "The device's peak TFLOP/s for MFU; 0: from the table of GPU bf16/fp16 dense peaks (no MFU on a CPU "
+        "or an unknown GPU).",
+    )
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "peak_tflops")
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileConfig:
+    """A ``torch.profiler`` trace per worker in ``<run>/profile/`` (``logging.profile``)."""
+
+    enabled: bool = opt(False, "Record a trace of `steps` steps from step `start_step` on.")
+    start_step: int = opt(10, "The update count at which recording starts (the step before it warms up).")
+    steps: int = opt(3, "How many calls of the step to record.")
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "start_step")
+        at_least(self, 1, "steps")

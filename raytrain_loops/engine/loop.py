@@ -101,6 +101,22 @@ class Callback:
     def on_step(self, result: StepResult, step: int, epoch: int) -> None:
         """After every call of the step, applied or skipped; ``step`` counts applied updates."""
 
+    def before_step(self, step: int, micro_batches: Sequence[Any]) -> None:
+        """Right before each call of the step (``step``: the updates done before it), with its
+        micro-batches (``None``: this worker has run out of data); they must stay as they are."""
+
+    def interval_meters(self) -> dict[str, tuple[Any, float]]:
+        """``(value, weight)`` per name, added to the engine's meters right before the interval's
+        all-reduce (so no collective of its own): the metric is ``sum(value * weight) /
+        sum(weight)`` over the workers that give the name, so a name one worker alone gives
+        (``x/rank<r>``) comes back as that worker's value."""
+        return {}
+
+    def interval_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
+        """Metrics derived from the interval's reduced ones (identical on every worker), added to
+        them before :meth:`on_interval`."""
+        return {}
+
     def on_interval(self, metrics: dict[str, float], step: int) -> None:
         """Every ``logging.every_steps`` calls, with the metrics averaged over all workers."""
 
@@ -277,7 +293,7 @@ class Loop:
                 position, finished = self._epoch(position)
                 if not finished:
                     break
-            self.metrics.update(self.engine.reduce_metrics())
+            self.metrics.update(self._reduce_metrics())
             self._report(position, evaluate_now=True, checkpoint_now=True, done=True)
         finally:
             for cb in self.callbacks:
@@ -315,12 +331,14 @@ class Loop:
 
     def _step(self, group: list[Any], wait: float, after: Position) -> None:
         engine, s = self.engine, self.settings
+        for cb in self.callbacks:
+            cb.before_step(engine.step, group)
         result = engine.train_step(group, data_time=wait)
         self.calls += 1
         for cb in self.callbacks:
             cb.on_step(result, engine.step, after.epoch)
         if self.calls % s.log_every == 0:
-            self.metrics = engine.reduce_metrics()
+            self.metrics = self._reduce_metrics()
             for cb in self.callbacks:
                 cb.on_interval(self.metrics, engine.step)
         if not result.applied or engine.step >= self.total:
@@ -329,6 +347,17 @@ class Loop:
         checkpoint_now = _due(s.checkpoint_every, engine.step)
         if evaluate_now or checkpoint_now or _due(s.report_every, engine.step):
             self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now)
+
+    def _reduce_metrics(self) -> dict[str, float]:
+        """The interval's metrics over all workers: the engine's meters with what the callbacks
+        put in them, in the meters' one all-reduce, then what the callbacks derive from them."""
+        for cb in self.callbacks:
+            for name, (value, weight) in cb.interval_meters().items():
+                self.engine.meters.add(name, value, weight)
+        metrics = self.engine.reduce_metrics()
+        for cb in self.callbacks:
+            metrics.update(cb.interval_metrics(metrics))
+        return metrics
 
     def _report(self, position: Position, *, evaluate_now: bool, checkpoint_now: bool, done: bool = False) -> None:
         engine = self.engine

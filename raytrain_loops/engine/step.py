@@ -151,6 +151,9 @@ class StepResult:
     grad_norm: float
     lr: float
     compute_time: float
+    data_time: float = 0.0  # waiting for this step's batches, before the call
+    # This worker's own units (a device tensor when the criterion returns one: no host sync).
+    local_sample_size: torch.Tensor | float = 0.0
 
     @property
     def applied(self) -> bool:
@@ -309,7 +312,16 @@ class Engine:
         else:
             self._skip(decision, micro_batches, local, ctx)
             compute = time.perf_counter() - start
-        return StepResult(decision, reduced.loss, reduced.sample_size, reduced.grad_norm, values["lr"], compute)
+        return StepResult(
+            decision,
+            reduced.loss,
+            reduced.sample_size,
+            reduced.grad_norm,
+            values["lr"],
+            compute,
+            data_time=data_time,
+            local_sample_size=local.sample_size,
+        )
 
     def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> _Local:
         """Forward and backward of each micro-batch; DDP synchronises on the last one only."""

@@ -3,8 +3,8 @@
 The loop itself is :class:`raytrain_loops.engine.loop.Loop` (no Ray); here it gets this worker's
 batches (:class:`~raytrain_loops.launch.batches.RayBatches`), a reporter that writes checkpoint
 files and calls ``ray.train.report`` (:class:`~raytrain_loops.launch.checkpoints.RayReporter`),
-and the callbacks of a Ray run: the run log, the spike guard, injected faults. See
-docs/architecture.md for the whole path.
+and the callbacks of a Ray run: the run log, the spike guard, injected faults, throughput and
+the profiler. See docs/architecture.md for the whole path.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
 from raytrain_loops.engine.rng import seed_everything
+from raytrain_loops.engine.throughput import Throughput
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.batches import RayBatches
 from raytrain_loops.launch.checkpoints import RayReporter
 from raytrain_loops.launch.console import Sender
 from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
+from raytrain_loops.launch.profile import Profile
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.launch.stops import StopBoard
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
@@ -116,6 +118,10 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     )
     log.sender = sender
     callbacks = [log, SpikeGuard(config.spike), faults]
+    callbacks.append(
+        Throughput(config.logging.throughput, engine, task.criterion, task.counts if task.count_keys else None)
+    )
+    callbacks.append(Profile(config.logging.profile, run_dir, rank, engine.device))
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)

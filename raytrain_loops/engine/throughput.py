@@ -1,0 +1,222 @@
+"""Throughput, model FLOPs, MFU and peak memory per logging interval: a loop callback.
+
+FLOPs are counted once, before the first step that has data, by a forward and backward of the
+task's criterion on that step's first micro-batch, run on a copy of the model (and of its EMA,
+which a criterion may call) under ``torch.utils.flop_counter.FlopCounterMode``, with every RNG
+state saved before and restored after. Not on the live step: under any Python dispatch mode
+some of autograd's backward formulas take another branch (``prod``'s, for one, differs in the
+last bit), so the counted step would not be the step a run without the counter takes. The copy
+costs one more set of weights, gradients and one micro-batch's activations, once; on a GPU the
+peak-memory statistics are reset after it. A count that fails (no room for the copy, a model
+that cannot be deep-copied) only leaves the FLOP metrics out, with a warning. The counted
+criterion is the task's own, not the engine's wrapped one (an injected fault must not fire on
+the copy).
+
+Every number that needs all workers rides in the interval's one all-reduce (the engine's
+meters): each worker gives its own values under ``name/rank<r>``, and the totals (sums of rates,
+the largest memory) are derived from those reduced values, identical on every worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import resource
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from raytrain_loops.config.engine import ThroughputConfig
+from raytrain_loops.engine import dist
+from raytrain_loops.engine.guards import is_oom
+from raytrain_loops.engine.loop import Callback
+from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.rng import rng_state, set_rng_state
+from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, to_device
+
+__all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops"]
+
+GIB = float(1 << 30)
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched in this order against
+# the lower-cased ``torch.cuda.get_device_name()``. NVIDIA's datasheets print the sparse figure,
+# twice these, with an asterisk.
+_GPU_PEAKS: tuple[tuple[str, float], ...] = (
+    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): BF16 1,979 (SXM) and 1,671 (NVL) sparse.
+    (r"h200.*nvl", 835.0),
+    (r"h200", 989.0),
+    # NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100): BF16 1,979 (SXM, "H100 80GB HBM3"),
+    # 1,671 (NVL) and 1,513 (PCIe) sparse.
+    (r"h100.*nvl", 835.0),
+    (r"h100.*pcie", 756.0),
+    (r"h100", 989.0),
+    # NVIDIA A100 datasheet: BF16 312 dense, the same for SXM4 and PCIe, 40 and 80 GB.
+    (r"a100", 312.0),
+    # AWS's A10G has no NVIDIA datasheet; 70 TFLOP/s BF16 dense as tabled in Baseten's "NVIDIA A10
+    # vs A10G for ML model inference" (the A10G trades tensor throughput for CUDA-core clocks).
+    (r"a10g", 70.0),
+    # NVIDIA A10 datasheet: BF16 125 dense (250 sparse).
+    (r"\ba10\b", 125.0),
+    # NVIDIA L4 datasheet: BF16 242 sparse.
+    (r"\bl4\b", 121.0),
+    # NVIDIA V100 datasheet (Volta has no bf16): FP16 tensor 130 (V100S PCIe), 112 (PCIe), 125 (SXM2).
+    (r"v100s", 130.0),
+    (r"v100.*pcie", 112.0),
+    (r"v100", 125.0),
+)
+
+_warned: set[str] = set()
+
+
+def gpu_peak_tflops(name: str) -> float | None:
+    """The table's bf16/fp16 dense peak for a GPU named ``name`` (as CUDA names it); None, with a
+    warning once per name, when the table does not know it."""
+    lowered = name.lower()
+    for pattern, tflops in _GPU_PEAKS:
+        if re.search(pattern, lowered):
+            return tflops
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"no peak TFLOP/s known for GPU {name!r}: MFU is not reported; set logging.throughput.peak_tflops",
+            stacklevel=2,
+        )
+    return None
+
+
+def peak_tflops(override: float, device: torch.device) -> float | None:
+    """The peak TFLOP/s that MFU is measured against: ``override`` when set, else the table's
+    figure for a CUDA device; None on a CPU and on a GPU the table does not know."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    return gpu_peak_tflops(torch.cuda.get_device_name(device))
+
+
+def _peak_rss_gib() -> float:
+    """This process's peak resident memory since it started (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
+
+
+class Throughput(Callback):
+    """Adds to each interval's metrics (``/rank<r>``: that worker's own value):
+
+    - ``samples_per_s`` (sum over workers) and ``samples_per_s/rank<r>``: units of the
+      criterion's ``sample_size`` (samples, or tokens) per second of step time (computing and
+      waiting for data);
+    - ``flops_per_sample``: model FLOPs (forward and backward) per unit, measured once;
+    - ``tflops_per_s`` on a GPU, ``gflops_per_s`` on a CPU (sum, and ``/rank<r>``): achieved;
+    - ``mfu``: achieved over peak, the mean over workers whose peak is known;
+    - ``gpu_max_allocated_gib`` (``torch.cuda.max_memory_allocated`` over the interval, reset
+      after each read) or, on a CPU, ``cpu_peak_rss_gib`` (the process's peak resident memory
+      since it started): the largest over workers, and ``/rank<r>``.
+
+    ``criterion`` is the task's; ``counts`` its ``Task.counts`` when it declares any (the copy's
+    context gets this micro-batch's counts as its totals).
+    """
+
+    def __init__(
+        self,
+        cfg: ThroughputConfig,
+        engine: Engine,
+        criterion: LossFn,
+        counts: Callable[[Any], dict[str, float]] | None = None,
+    ):
+        self.enabled = cfg.enabled
+        self.engine, self.criterion, self.counts = engine, criterion, counts
+        self.device = engine.device
+        self.rank = dist.rank()
+        self.gpu = self.device.type == "cuda"
+        self.peak = peak_tflops(cfg.peak_tflops, self.device) if self.enabled else None
+        self.flops_unit, self.flops_scale = ("tflops_per_s", 1e12) if self.gpu else ("gflops_per_s", 1e9)
+        self.memory_name = "gpu_max_allocated_gib" if self.gpu else "cpu_peak_rss_gib"
+        self.flops_per_sample: float | None = None
+        self._measured = not self.enabled
+        self._samples: torch.Tensor | float = 0.0
+        self._seconds = 0.0
+
+    def before_step(self, step: int, micro_batches: Sequence[Any]) -> None:
+        if self._measured:
+            return
+        batch = next((b for b in micro_batches if b is not None), None)
+        if batch is None:
+            return  # this worker has no data now: count on a later step
+        self._measured = True
+        state = rng_state()
+        try:
+            self.flops_per_sample = self._count(to_device(batch, self.device))
+        except Exception as err:  # an observer: the run goes on, without FLOP/s and MFU
+            why = "no room for a copy of the model" if is_oom(err) else f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"FLOPs per sample could not be counted ({why}); throughput is reported without FLOP/s and MFU "
+                "(logging.throughput.enabled=false turns the count off)",
+                stacklevel=2,
+            )
+        finally:
+            set_rng_state(state)
+            if self.gpu:
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _count(self, batch: Any) -> float | None:
+        """FLOPs per unit of one forward and backward of the criterion on copies of the model
+        and its EMA; None when the micro-batch has no units."""
+        engine = self.engine
+        model = copy.deepcopy(engine.module).train()
+        ema = copy.deepcopy(engine.ema.module) if engine.ema is not None else None
+        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema)
+        if self.counts is not None:
+            ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
+        counter = FlopCounterMode(display=False)
+        with counter:
+            with autocast(engine.config.precision, self.device):
+                out = self.criterion(model, batch, ctx)
+            out.loss.backward()
+        units = float(out.sample_size)
+        return counter.get_total_flops() / units if units > 0 else None
+
+    def on_step(self, result: StepResult, step: int, epoch: int) -> None:
+        if not self.enabled:
+            return
+        self._samples = self._samples + result.local_sample_size
+        self._seconds += result.compute_time + result.data_time
+
+    def interval_meters(self) -> dict[str, tuple[Any, float]]:
+        if not self.enabled:
+            return {}
+        r = self.rank
+        out: dict[str, tuple[Any, float]] = {f"{self.memory_name}/rank{r}": (self._memory_gib(), 1.0)}
+        if self.flops_per_sample is not None:
+            out["flops_per_sample"] = (self.flops_per_sample, 1.0)
+        if self._seconds > 0:
+            rate = self._samples / self._seconds
+            out[f"samples_per_s/rank{r}"] = (rate, 1.0)
+            if self.flops_per_sample is not None:
+                achieved = rate * self.flops_per_sample
+                out[f"{self.flops_unit}/rank{r}"] = (achieved / self.flops_scale, 1.0)
+                if self.peak is not None:
+                    out["mfu"] = (achieved / (self.peak * 1e12), 1.0)
+        self._samples, self._seconds = 0.0, 0.0
+        return out
+
+    def interval_metrics(self, reduced: dict[str, float]) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        out = {}
+        for name, total in (("samples_per_s", sum), (self.flops_unit, sum), (self.memory_name, max)):
+            values = [v for k, v in reduced.items() if k.startswith(f"{name}/rank")]
+            if values:
+                out[name] = total(values)
+        return out
+
+    def _memory_gib(self) -> float:
+        if not self.gpu:
+            return _peak_rss_gib()
+        peak = torch.cuda.max_memory_allocated(self.device) / GIB
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
