@@ -162,9 +162,12 @@ def test_the_progress_line_shows_every_term_smoothed_the_lr_and_data_and_batch_t
     log = RunLog(str(tmp_path), rank=0, total_steps=40, progress=True, workers=2)
     state = None
     for i, (metrics, times) in enumerate(zip(INTERVALS, TIMES, strict=True)):
-        log.on_interval({**metrics, **times}, step=10 * (i + 1))
+        speed = {"samples_per_s": 1200.0 + i, "samples_per_s/rank0": 600.0, "gflops_per_s": 3.5, "mfu": 0.25}
+        log.on_interval({**metrics, **times, **speed}, step=10 * (i + 1))
         state = state or log.state_dict()
     line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " steps/s, 1201 samples/s, MFU 25.0% | eta " in line, line  # the interval's, over all workers
+    assert "gflops" not in line and "rank0" not in line  # throughput figures are not loss terms
     m = 0.9  # the default momentum
     smooth = lambda a, b: (m * a + b) / (m + 1)  # noqa: E731
     assert line.startswith("step 20/40 (50%) | epoch 2 | ")

@@ -41,6 +41,11 @@ from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, 
 __all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops"]
 
 GIB = float(1 << 30)
+# Every metric this callback adds (each also per worker, as ``<name>/rank<r>``).
+METRICS = frozenset(
+    ["samples_per_s", "flops_per_sample", "tflops_per_s", "gflops_per_s", "mfu"]
+    + ["gpu_max_allocated_gib", "cpu_peak_rss_gib"]
+)
 
 # Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched in this order against
 # the lower-cased ``torch.cuda.get_device_name()``. NVIDIA's datasheets print the sparse figure,

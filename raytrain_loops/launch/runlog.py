@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from raytrain_loops.config.engine import SmoothingConfig
-from raytrain_loops.engine import StepResult
+from raytrain_loops.engine import StepResult, throughput
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.meters import Smoother
 from raytrain_loops.launch import storage
@@ -26,16 +26,28 @@ from raytrain_loops.launch.console import Sender
 LOGS = ("metrics.jsonl", "eval.jsonl", "epochs.jsonl")
 # Metrics the progress line shows in places of their own, or not at all; the rest are the loss
 # and the criterion's terms and logs (a weighted term's ``_unscaled`` copy is left out too).
-NOT_TERMS = frozenset(
-    ["lr", "grad_norm", "sample_size", "sample_size_per_s", "compute_time", "data_time", "batch_time"]
-    + ["step", "epoch", "overflow", "nonfinite", "oom", "loss_scale"]
+NOT_TERMS = (
+    frozenset(
+        ["lr", "grad_norm", "sample_size", "sample_size_per_s", "compute_time", "data_time", "batch_time"]
+        + ["step", "epoch", "overflow", "nonfinite", "oom", "loss_scale"]
+    )
+    | throughput.METRICS
 )
 
 
 def _terms(values: dict[str, float]) -> str:
     """The loss, then every other term and log of the criterion, by name."""
-    terms = sorted(k for k in values if k not in NOT_TERMS and k != "loss" and not k.endswith("_unscaled"))
+    terms = sorted(
+        k for k in values if k not in NOT_TERMS and k != "loss" and not k.endswith("_unscaled") and "/rank" not in k
+    )
     return " ".join(f"{k} {values[k]:.4g}" for k in ["loss", *terms] if k in values)
+
+
+def _throughput(metrics: dict[str, float]) -> str:
+    """The interval's samples per second over all workers, and the MFU where it is known."""
+    shown = [f"{metrics['samples_per_s']:.0f} samples/s"] if "samples_per_s" in metrics else []
+    shown += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
+    return "".join(f", {part}" for part in shown)
 
 
 class RunLog(Callback):
@@ -143,7 +155,7 @@ class RunLog(Callback):
             f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | "
             f"epoch {int(epoch) if epoch is not None else '?'} | {_terms(smoothed) or 'loss ?'} | "
             f"lr {metrics.get('lr', math.nan):.2e} | data {smoothed.get('data_time', math.nan):.3f}s "
-            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rate:.1f} steps/s | eta {eta_text}"
+            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rate:.1f} steps/s{_throughput(metrics)} | eta {eta_text}"
         )
 
     def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
