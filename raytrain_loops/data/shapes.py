@@ -1,14 +1,16 @@
 """``shapes``: a seeded synthetic detection and instance-segmentation data set, written once to Parquet.
 
-Each image (``size`` x ``size`` RGB, uint8) has a noisy background of a random colour and 1 to
+Each image (``size`` x ``size`` RGB, uint8; or ``size`` high and one of ``widths`` wide, drawn
+per image, when ``widths`` is given) has a noisy background of a random colour and 1 to
 ``max_objects`` objects of :data:`CLASSES`, of random size, position and colour, placed so that
 their boxes do not overlap (every object is fully visible, so its mask is its drawn shape). Per
-object: the class, the box ``(cx, cy, w, h)`` normalised to [0, 1] (the tight box of its mask),
-and the instance mask.
+object: the class, the box ``(cx, cy, w, h)`` normalised to [0, 1] by the image's width and
+height (the tight box of its mask), and the instance mask.
 
-Parquet columns (ragged targets as list columns): ``image`` (binary, ``size*size*3`` bytes, HWC),
-``labels`` (list<int64>), ``boxes`` (list<float32>, 4 per object), ``masks`` (list<binary>, one
-``np.packbits`` of the ``size*size`` mask per object). Splits ``train`` and ``validation`` are
+Parquet columns (ragged targets as list columns): ``image`` (binary, ``size*width*3`` bytes, HWC:
+an image's width is its byte length over ``3*size``), ``labels`` (list<int64>), ``boxes``
+(list<float32>, 4 per object), ``masks`` (list<binary>, one ``np.packbits`` of the
+``size*width`` mask per object). Splits ``train`` and ``validation`` are
 drawn from distinct seeds. The directory is keyed by every parameter, and each file is written
 under a temporary name and renamed; ``meta.json`` is written last, as the mark of a complete set.
 Detection (DETR) and segmentation (seamseg) tasks read the same files.
@@ -43,8 +45,12 @@ class ShapesSpec:
     max_extent: int = 24
     noise: float = 12.0
     seed: int = 0
+    widths: tuple[int, ...] = ()
+    """Image widths, one drawn per image; empty: square images (``size`` wide), drawn exactly as
+    before this option existed (the same random draws, the same files, the same cache key)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", tuple(self.widths))  # a YAML list; hashable like the rest
         for key in ("train_images", "validation_images", "size", "min_objects", "min_extent"):
             if getattr(self, key) < 1:
                 raise ValueError(f"task.params.{key} must be >= 1; got {getattr(self, key)}")
@@ -55,9 +61,23 @@ class ShapesSpec:
                 f"task.params.min_extent={self.min_extent} and max_extent={self.max_extent} must satisfy "
                 f"3 <= min_extent <= max_extent <= size={self.size}"
             )
+        if any(not isinstance(w, int) or w < self.max_extent for w in self.widths):
+            raise ValueError(
+                f"task.params.widths must be integers >= max_extent={self.max_extent}; got {list(self.widths)}"
+            )
+
+    def key(self) -> dict:
+        """The parameters that name the set; ``widths`` only when given, so the square sets
+        written before it existed keep their directories."""
+        out = asdict(self)
+        if not self.widths:
+            del out["widths"]
+        else:
+            out["widths"] = list(self.widths)
+        return out
 
     def directory(self, data_dir: Path) -> Path:
-        key = json.dumps([FORMAT, asdict(self)], sort_keys=True)
+        key = json.dumps([FORMAT, self.key()], sort_keys=True)
         return Path(data_dir) / "shapes" / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -80,10 +100,12 @@ def _overlaps(a: tuple[int, int, int, int], b: tuple[int, int, int, int], gap: i
 
 
 def draw(spec: ShapesSpec, rng: np.random.Generator) -> tuple[np.ndarray, list[int], np.ndarray, list[np.ndarray]]:
-    """One image (size, size, 3) uint8, its labels, boxes (n, 4) cxcywh normalised and masks."""
+    """One image (size, width, 3) uint8, its labels, boxes (n, 4) cxcywh normalised and masks."""
     s = spec.size
+    # No draw for square sets: their random stream, hence their images, stay as they were.
+    width = int(spec.widths[rng.integers(len(spec.widths))]) if spec.widths else s
     background = rng.uniform(40, 215, size=3)
-    image = background + rng.normal(0, spec.noise, size=(s, s, 3))
+    image = background + rng.normal(0, spec.noise, size=(s, width, 3))
     wanted = int(rng.integers(spec.min_objects, spec.max_objects + 1))
     placed: list[tuple[int, int, int, int]] = []
     labels, boxes, masks = [], [], []
@@ -91,7 +113,7 @@ def draw(spec: ShapesSpec, rng: np.random.Generator) -> tuple[np.ndarray, list[i
         if len(placed) == wanted:
             break
         h, w = (int(v) for v in rng.integers(spec.min_extent, spec.max_extent + 1, size=2))
-        y0, x0 = int(rng.integers(0, s - h + 1)), int(rng.integers(0, s - w + 1))
+        y0, x0 = int(rng.integers(0, s - h + 1)), int(rng.integers(0, width - w + 1))
         box = (x0, y0, x0 + w, y0 + h)
         if any(_overlaps(box, other) for other in placed):
             continue
@@ -101,14 +123,14 @@ def draw(spec: ShapesSpec, rng: np.random.Generator) -> tuple[np.ndarray, list[i
         colour = rng.uniform(0, 255, size=3)
         while np.abs(colour - background).max() < 80:
             colour = rng.uniform(0, 255, size=3)
-        full = np.zeros((s, s), dtype=bool)
+        full = np.zeros((s, width), dtype=bool)
         full[y0 : y0 + h, x0 : x0 + w] = shape
         image[full] = colour + rng.normal(0, spec.noise / 2, size=(int(full.sum()), 3))
         ys, xs = np.nonzero(full)
         x1, y1, x2, y2 = xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
         placed.append(box)
         labels.append(kind)
-        boxes.append([(x1 + x2) / 2 / s, (y1 + y2) / 2 / s, (x2 - x1) / s, (y2 - y1) / s])
+        boxes.append([(x1 + x2) / 2 / width, (y1 + y2) / 2 / s, (x2 - x1) / width, (y2 - y1) / s])
         masks.append(full)
     return np.clip(image, 0, 255).astype(np.uint8), labels, np.asarray(boxes, dtype=np.float32), masks
 
@@ -152,22 +174,23 @@ def write_shapes(data_dir: Path, spec: ShapesSpec) -> dict[str, Path]:
         pq.write_table(table, tmp)
         os.replace(tmp, paths[split])
     tmp = out / f"meta.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"format": FORMAT, "classes": list(CLASSES), **asdict(spec)}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"format": FORMAT, "classes": list(CLASSES), **spec.key()}, indent=1) + "\n")
     os.replace(tmp, meta)
     return paths
 
 
 def decode_image(raw: bytes, size: int) -> np.ndarray:
-    """An ``image`` cell as (size, size, 3) uint8."""
-    return np.frombuffer(raw, dtype=np.uint8).reshape(size, size, 3)
+    """An ``image`` cell as (size, width, 3) uint8 (the width follows from its length)."""
+    return np.frombuffer(raw, dtype=np.uint8).reshape(size, -1, 3)
 
 
-def decode_masks(cells, size: int) -> np.ndarray:
-    """A ``masks`` cell as (n, size, size) bool."""
+def decode_masks(cells, size: int, width: int | None = None) -> np.ndarray:
+    """A ``masks`` cell as (n, size, width) bool (``width`` defaults to ``size``)."""
+    width = width or size
     return (
         np.stack(
-            [np.unpackbits(np.frombuffer(c, dtype=np.uint8))[: size * size].reshape(size, size) for c in cells]
+            [np.unpackbits(np.frombuffer(c, dtype=np.uint8))[: size * width].reshape(size, width) for c in cells]
         ).astype(bool)
         if len(cells)
-        else np.zeros((0, size, size), dtype=bool)
+        else np.zeros((0, size, width), dtype=bool)
     )

@@ -6,8 +6,16 @@ from raytrain_loops.tasks.detr import DetrTask
 from raytrain_loops.tasks.digits import DigitsTask
 from raytrain_loops.tasks.dino import DinoTask
 from raytrain_loops.tasks.lm import LMTask
+from raytrain_loops.tasks.seamseg import SeamsegTask
 
-BUILTIN = {"digits": DigitsTask, "cvnets": CvnetsTask, "dino": DinoTask, "detr": DetrTask, "lm": LMTask}
+BUILTIN = {
+    "digits": DigitsTask,
+    "cvnets": CvnetsTask,
+    "dino": DinoTask,
+    "detr": DetrTask,
+    "lm": LMTask,
+    "seamseg": SeamsegTask,
+}
 
 __all__ = [
     "BUILTIN",
@@ -19,6 +27,7 @@ __all__ = [
     "LMTask",
     "MapSplit",
     "ParquetSplit",
+    "SeamsegTask",
     "Task",
     "build_task",
 ]

@@ -1,0 +1,272 @@
+"""The seamseg recipe and its parts: shapes of two aspect ratios (square sets unchanged), rows
+grouped by shape and their collation, the weighted named loss terms, the split-level mean IoU
+against a hand computation on two gloo workers, and the recipe end to end on two Ray workers
+with a reduced budget, every named loss falling from the first epoch to the last."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from raytrain_loops import MapSplit, fit
+from raytrain_loops.config import ConfigError, load_config
+from raytrain_loops.data.shapes import ShapesSpec, decode_image, decode_masks, write_shapes
+from raytrain_loops.engine import Engine, StepContext
+from raytrain_loops.engine.loop import evaluate
+from raytrain_loops.recipes import builtin, describe, resolve
+from raytrain_loops.tasks import build_task
+from raytrain_loops.tasks.seamseg import IGNORE, TERMS, SeamsegTask, collate, row_groups
+from tests import fakes
+from tests.gloo import run_gloo
+
+SMALL = {"train_images": 48, "validation_images": 16, "width": 8}
+
+
+# ---------------------------------------------------------------------- data
+
+
+def test_square_shapes_keep_their_draws_files_and_cache_key(tmp_path):
+    """The detr recipe's data: the same images and the same directory as before widths existed."""
+    spec = ShapesSpec(train_images=8, validation_images=4)
+    paths = write_shapes(tmp_path, spec)
+    digest = hashlib.sha256()
+    for split in ("train", "validation"):
+        table = pq.read_table(paths[split])
+        assert table.column_names == ["image", "labels", "boxes", "masks"]
+        for col in table.column_names:
+            digest.update(repr(table.column(col).to_pylist()).encode())
+    # Both values were taken from the square-only generator this option extended.
+    assert spec.directory(Path("x")).name == "f88b67a4e9b0"
+    assert digest.hexdigest() == "4b4a763f961470f02b97c9d6f81512ab8c84b9428bc1dcbdb30a9f536c4e15a2"
+    assert "widths" not in json.loads((spec.directory(tmp_path) / "meta.json").read_text())
+
+
+def test_shapes_of_two_widths_have_boxes_matching_their_masks(tmp_path):
+    spec = ShapesSpec(train_images=40, validation_images=8, widths=[64, 96])
+    assert spec.directory(tmp_path) != ShapesSpec(train_images=40, validation_images=8).directory(tmp_path)
+    table = pq.read_table(write_shapes(tmp_path, spec)["train"])
+    widths = [decode_image(raw, 64).shape[1] for raw in table.column("image").to_pylist()]
+    assert set(widths) == {64, 96}
+    rows = zip(table.column("boxes").to_pylist(), table.column("masks").to_pylist(), widths, strict=True)
+    for boxes, masks, w in rows:
+        for (cx, cy, bw, bh), mask in zip(np.asarray(boxes).reshape(-1, 4), decode_masks(masks, 64, w), strict=True):
+            ys, xs = np.nonzero(mask)
+            assert (xs.min(), xs.max() + 1) == pytest.approx((w * (cx - bw / 2), w * (cx + bw / 2)), abs=1e-3)
+            assert (ys.min(), ys.max() + 1) == pytest.approx((64 * (cy - bh / 2), 64 * (cy + bh / 2)), abs=1e-3)
+    with pytest.raises(ValueError, match=r"task\.params\.widths must be integers >= max_extent=24; got \[64, 16\]"):
+        ShapesSpec(widths=[64, 16])
+
+
+def _task(tmp_path, **params) -> tuple[SeamsegTask, dict[str, MapSplit]]:
+    task = build_task("seamseg", {**SMALL, **params})
+    task.prepare(tmp_path)
+    return task, task.splits(tmp_path)
+
+
+def test_rows_are_grouped_by_shape_and_a_training_batch_must_not_mix_them(tmp_path):
+    task, splits = _task(tmp_path)
+    train = splits["train"]
+    groups = row_groups(train.dataset)
+    widths = [train.dataset[i]["image"].shape[1] for i in range(len(train.dataset))]
+    assert sorted(set(groups)) == [0, 1] and len(groups) == len(train.dataset) == 48
+    assert all({0: 64, 1: 96}[g] == w for g, w in zip(groups, widths, strict=True))
+    # The dataset travels to the workers without its rows: they are read where they are used.
+    train.dataset[0]  # reads the file into memory
+    pickled = pickle.dumps(train.dataset)
+    assert len(pickled) < 1000 and len(pickle.loads(pickled)) == 48
+
+    one = [i for i, g in enumerate(groups) if g == 1][:3]
+    batch = train.collate_fn([train.dataset[i] for i in one])
+    assert batch["images"].shape == (3, 3, 64, 96) and batch["heat"].shape == (3, 1, 16, 24)
+    assert len(batch["centres"]) == sum(len(lab) for lab in batch["labels"]) == len(batch["ltrb"])
+    b, y, x = batch["centres"].unbind(1)
+    assert bool((batch["heat"][b, 0, y, x] == 1).all())  # every object's centre is a peak of its heatmap
+    mixed = [groups.index(0), groups.index(1)]
+    with pytest.raises(ValueError, match=r"mixes image shapes \[\(64, 64\), \(64, 96\)\].*row_groups"):
+        train.collate_fn([train.dataset[i] for i in mixed])
+    padded = splits["eval"].collate_fn([train.dataset[i] for i in mixed])
+    assert padded["images"].shape == (2, 3, 64, 96)
+    assert bool((padded["sem"][0, :, 64:] == IGNORE).all()) and not bool((padded["sem"][1] == IGNORE).any())
+
+
+# ---------------------------------------------------------------------- losses
+
+
+def test_loss_weights_are_checked_by_name_and_weight_the_named_terms(tmp_path):
+    with pytest.raises(ConfigError, match=r"task\.params\.loss_weights: needs one weight per loss term .* got 2"):
+        build_task("seamseg", {"loss_weights": [1.0, 2.0]})
+    with pytest.raises(ConfigError, match=r"task\.params\.loss_weights: must be numbers"):
+        build_task("seamseg", {"loss_weights": [1.0, "x", 1.0]})
+    with pytest.raises(ConfigError, match=r"task\.params\.widths: must be a multiple of 4"):
+        build_task("seamseg", {"widths": [64, 90]})
+    task, splits = _task(tmp_path, loss_weights=[2.0, 0.5, 3.0])
+    train = splits["train"]
+    rows = [i for i, g in enumerate(row_groups(train.dataset)) if g == 0][:4]
+    batch = train.collate_fn([train.dataset[i] for i in rows])
+    torch.manual_seed(0)
+    model = task.build_model()
+    ctx = StepContext(step=0, epoch=0, values={}, ema=None, totals=task.counts(batch), slots=1)
+    out = task.criterion(model, batch, ctx)
+    assert list(out.terms) == list(TERMS)
+    assert out.weights == {"obj": 2.0, "bbx": 0.5, "sem": 3.0}
+    expected = 2.0 * out.terms["obj"] + 0.5 * out.terms["bbx"] + 3.0 * out.terms["sem"]
+    torch.testing.assert_close(out.loss, expected)
+    assert all(float(t) > 0 for t in out.terms.values())
+
+
+# ---------------------------------------------------------------------- mean IoU
+
+
+class FixedSegmentation(nn.Module):
+    """Predicts the given label maps whatever the images: logits one-hot on them, no detections."""
+
+    def __init__(self, labels: torch.Tensor, classes: int = 4):
+        super().__init__()
+        self.labels = labels
+        self.classes = classes
+        self.bias = nn.Parameter(torch.zeros(()))  # DDP needs a parameter
+
+    def forward(self, images):
+        b, _, h, w = images.shape
+        sem = nn.functional.one_hot(self.labels[:, :h, :w], self.classes).permute(0, 3, 1, 2).float() * 10
+        return {
+            "sem": sem + self.bias,
+            "obj": torch.full((b, 1, h // 4, w // 4), -10.0),
+            "bbx": torch.zeros(b, 4, h // 4, w // 4),
+        }
+
+
+def _item(truth: list[list[int]]) -> dict[str, np.ndarray]:
+    sem = np.asarray(truth, dtype=np.uint8)
+    return {
+        "image": np.zeros((*sem.shape, 3), np.uint8),
+        "sem": sem,
+        "boxes": np.zeros((0, 4), np.float32),
+        "labels": np.zeros(0, np.int64),
+    }
+
+
+# Worker 0: one 4x4 image and one 4x8 image (the first padded to 4x8); worker 1: one 4x8 image.
+TRUTH = {
+    0: [[[0, 0, 1, 1]] * 4, [[0, 0, 0, 0, 2, 2, 3, 3]] * 4],
+    1: [[[3, 3, 3, 3, 0, 0, 0, 0]] * 4],
+}
+PRED = {
+    0: [[[0, 1, 1, 1, 0, 0, 0, 0]] * 4, [[0, 0, 0, 2, 2, 2, 3, 0]] * 4],
+    1: [[[3, 3, 0, 0, 0, 0, 0, 1]] * 4],
+}
+
+
+def _by_hand() -> float:
+    """IoU per class over every pixel of both workers, then the mean over the four classes."""
+    inter, union = np.zeros(4), np.zeros(4)
+    for rank in (0, 1):
+        for truth, pred in zip(TRUTH[rank], PRED[rank], strict=True):
+            t = np.asarray(truth).ravel()
+            p = np.asarray(pred)[:, : np.asarray(truth).shape[1]].ravel()
+            for c in range(4):
+                inter[c] += ((t == c) & (p == c)).sum()
+                union[c] += ((t == c) | (p == c)).sum()
+    return float(np.mean(inter / union))
+
+
+def _miou_on_two_workers(rank: int, world: int):
+    from raytrain_loops.tasks.seamseg import SeamsegTask
+
+    task = SeamsegTask()
+    batch = collate([_item(t) for t in TRUTH[rank]], pad=True)
+    model = FixedSegmentation(torch.tensor(PRED[rank]))
+    engine = Engine(nn.parallel.DistributedDataParallel(model), fakes.mean_loss, fakes.config().engine, total_steps=1)
+    return evaluate(engine, [batch], task.evaluate, False, task.eval_metrics)
+
+
+def test_eval_miou_is_the_whole_splits_mean_iou_over_both_workers():
+    expected = _by_hand()
+    # background 7/13, rectangle 2/4, ellipse 2/3, triangle 3/6; the padding counts nowhere.
+    assert expected == pytest.approx((7 / 13 + 2 / 4 + 2 / 3 + 3 / 6) / 4)
+    outcomes = run_gloo(2, _miou_on_two_workers, timeout=180)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    for o in outcomes:
+        assert o.value["eval_miou"] == pytest.approx(expected, abs=1e-6)
+        assert o.value["eval_iou_ellipse"] == pytest.approx(2 / 3, abs=1e-6)
+        for key in ("eval_iou_background", "eval_iou_rectangle", "eval_iou_triangle", "eval_map50", "eval_sem"):
+            assert key in o.value, key
+
+
+# ---------------------------------------------------------------------- the recipe
+
+
+def test_seamseg_recipe_is_built_in_with_its_command():
+    path = builtin()["seamseg"]
+    assert "#   raytrain-loops train seamseg\n" in path.read_text() and describe(path)
+    cfg = load_config(resolve("seamseg"), [])
+    assert cfg.task.params["loss_weights"] == [1.0, 1.0, 2.0]
+    assert len(set(cfg.task.params["widths"])) >= 2
+    assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, False)
+    build_task(cfg.task.name, cfg.task.params)
+
+
+def _term_means_by_epoch(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Each named loss's logged interval means (TensorBoard), averaged per epoch (metrics.jsonl)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    epoch_of = {r["step"]: r["epoch"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for name in (*TERMS, "data_time"):
+        by_epoch = defaultdict(list)
+        for e in events.Scalars(f"train/{name}"):
+            by_epoch[epoch_of[e.step]].append(e.value)
+        out[name] = {epoch: float(np.mean(v)) for epoch, v in sorted(by_epoch.items())}
+    return out
+
+
+class OneShapeSeamseg(SeamsegTask):
+    """The task with a training split of one image shape: batches that stack without a batch
+    sampler that groups rows by shape."""
+
+    def splits(self, data_dir):
+        splits = super().splits(data_dir)
+        train = splits["train"]
+        rows = [i for i, g in enumerate(row_groups(train.dataset)) if g == 0]
+        splits["train"] = MapSplit(torch.utils.data.Subset(train.dataset, rows), train.collate_fn)
+        return splits
+
+
+@pytest.mark.ray
+def test_seamseg_recipe_end_to_end_every_named_loss_falls(ray_session, tmp_path):
+    overrides = [
+        "task.params.train_images=384",
+        "task.params.validation_images=64",
+        "task.params.width=8",
+        "loop.epochs=3",
+        "logging.every_steps=2",
+        "schedules.lr.warmup_steps=4",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.storage_path={tmp_path}",
+        "run.progress=false",
+    ]
+    cfg = load_config(resolve("seamseg"), overrides)
+    result = fit(cfg, task=OneShapeSeamseg(**cfg.task.params))
+    run_dir = Path(result.run_dir)
+    means = _term_means_by_epoch(run_dir)
+    for name in TERMS:
+        first, last = means[name][0], means[name][max(means[name])]
+        assert last < first, (name, means[name])
+        assert f"{name}_unscaled" in result.metrics
+    assert means["data_time"][0] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("eval_miou", "eval_iou_background", "eval_map50", "eval_sem"):
+        assert key in summary["metrics"], key
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["eval_miou"] > evals[0]["eval_miou"], evals
