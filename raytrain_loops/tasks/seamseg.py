@@ -42,6 +42,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
 from raytrain_loops.config import ConfigError
+from raytrain_loops.data.samplers import GroupedBatchSampler
 from raytrain_loops.data.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, Task, params_at_least
@@ -316,8 +317,10 @@ class SeamsegTask(Task):
         base = self.spec.directory(data_dir)
         train = ShapesRows(base / "train.parquet", self.spec.size)
         validation = ShapesRows(base / "validation.parquet", self.spec.size)
+        # A training batch holds images of one shape (seamseg's aspect-ratio batch sampler).
+        grouped = functools.partial(GroupedBatchSampler, row_groups(train))
         return {
-            "train": MapSplit(train, functools.partial(collate, pad=False)),
+            "train": MapSplit(train, functools.partial(collate, pad=False), batch_sampler=grouped),
             "eval": MapSplit(validation, functools.partial(collate, pad=True)),
         }
 
