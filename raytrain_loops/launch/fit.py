@@ -18,6 +18,7 @@ from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.rundir import Finished, RunLock, check_config, finished, record_changes
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
+from raytrain_loops.launch.tracking import Tracking, open_tracking, tracked
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -45,6 +46,7 @@ def run_name(config: Config, task: Task) -> str:
     data = config.to_dict()
     ignored = ("storage_path", "progress", "allow_config_change")
     data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
+    del data["logging"]["mlflow"]  # where the run is tracked is not what it is
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
@@ -173,6 +175,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         config = load_config(config, overrides)
     elif overrides:
         config = load_config(config.to_dict(), overrides)
+    tracking = open_tracking(config.logging.mlflow)  # an unusable tracking URI fails before any work
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
     run_dir = storage.join(config.run.storage_path, name)
@@ -184,7 +187,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
             return _finished_result(run_dir, done)
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
-        return _train(config, task, splits, rows, name, run_dir)
+        return _train(config, task, splits, rows, name, run_dir, tracking)
 
 
 def _finished_result(run_dir: str, done: Finished) -> FitResult:
@@ -196,21 +199,30 @@ def _finished_result(run_dir: str, done: Finished) -> FitResult:
     return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
 
 
-def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int], name: str, run_dir: str):
+def _train(
+    config: Config,
+    task: Task,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    name: str,
+    run_dir: str,
+    tracking: Tracking | None = None,
+) -> FitResult:
     start = time.time()
-    ensure_ray(config)
-    from raytrain_loops.launch.trainer import build_trainer
+    with tracked(tracking, run_dir, name, config) as mlflow_run:
+        ensure_ray(config)
+        from raytrain_loops.launch.trainer import build_trainer
 
-    board = StopBoard.new(run_dir, config.scaling.num_workers)
-    trainer = build_trainer(config, task, splits, rows, name, run_dir, board=board)
-    result = fit_or_stop(trainer, board)
-    wall = time.time() - start
-    metrics = dict(result.metrics or {})
-    checkpoint = result.checkpoint.path if result.checkpoint else None
-    summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
-    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
-    if not storage.is_uri(run_dir):
-        from raytrain_loops.launch.plots import plot_run
+        board = StopBoard.new(run_dir, config.scaling.num_workers)
+        trainer = build_trainer(config, task, splits, rows, name, run_dir, board=board, tracking=mlflow_run)
+        result = fit_or_stop(trainer, board)
+        wall = time.time() - start
+        metrics = dict(result.metrics or {})
+        checkpoint = result.checkpoint.path if result.checkpoint else None
+        summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
+        storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
+        if not storage.is_uri(run_dir):
+            from raytrain_loops.launch.plots import plot_run
 
-        plot_run(run_dir)
+            plot_run(run_dir)
     return FitResult(run_dir, metrics, checkpoint, wall)

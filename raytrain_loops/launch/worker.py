@@ -30,6 +30,7 @@ from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.launch.stops import StopBoard
+from raytrain_loops.launch.tracking import MlflowLog, TrackedRun
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 
@@ -37,7 +38,8 @@ from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 class WorkerPayload:
     """What the driver sends every worker: the run's config, the task, its data and where the
     run's files go; ``stops``, where a worker posts a stop that a retry cannot fix.
-    ``init_checkpoint`` starts a new run from another run's checkpoint."""
+    ``init_checkpoint`` starts a new run from another run's checkpoint; ``tracking``, the MLflow
+    run rank 0 logs to."""
 
     config: Config
     task: Task
@@ -46,6 +48,7 @@ class WorkerPayload:
     run_dir: str
     stops: StopBoard
     init_checkpoint: str | None = None
+    tracking: TrackedRun | None = None
 
 
 def _set_threads(config: Config) -> None:
@@ -100,6 +103,8 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         print(f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update", flush=True)
     log = RunLog(run_dir, rank, total, config.run.progress, engine.step, world)
     callbacks = [log, SpikeGuard(config.spike), faults]
+    if payload.tracking is not None:
+        callbacks.append(MlflowLog(payload.tracking, rank))
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
