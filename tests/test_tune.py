@@ -85,7 +85,9 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
         space={"schedules.lr.value": {"grid": [1.0e-5, 3.0e-3]}},
         scheduler={"name": "asha", "grace_period": 10, "reduction_factor": 2},
     )
-    result = tune(resolve("default"), sweep, overrides=[*TINY, "loop.max_steps=40", f"data.dir={tmp_path / 'data'}"])
+    store = tmp_path / "mlruns"  # an MLflow directory store
+    overrides = [*TINY, "loop.max_steps=40", f"data.dir={tmp_path / 'data'}", f"logging.mlflow.tracking_uri={store}"]
+    result = tune(resolve("default"), sweep, overrides=overrides)
 
     table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
     assert len(table) == 4 and (table["error"].isna()).all(), table
@@ -102,6 +104,18 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
     assert (Path(result.sweep_dir) / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
     # Each trial's Train run (checkpoints, logs) lives under the sweep.
     assert sorted(p.name for p in (Path(result.sweep_dir) / "trials").iterdir()) == list(table["trial"].sort_values())
+
+    # One MLflow run per trial in the sweep's experiment, ended even when ASHA stopped the trial.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(str(store))
+    runs = client.search_runs([client.get_experiment_by_name("asha").experiment_id])
+    assert sorted(r.data.tags["trial"] for r in runs) == sorted(table["trial"])
+    assert {r.data.tags["sweep"] for r in runs} == {"asha"} and {r.info.status for r in runs} == {"FINISHED"}
+    by_trial = {r.data.tags["trial"]: r for r in runs}
+    best_run = by_trial[best["trial"]]
+    assert best_run.data.params["schedules.lr.value"] == "0.003"
+    assert best_run.data.metrics["eval_accuracy"] == pytest.approx(best["eval_accuracy"])
 
 
 @pytest.mark.ray

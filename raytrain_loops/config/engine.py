@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from raytrain_loops.config.base import ConfigError, at_least, opt
+from raytrain_loops.config.tracking import MlflowConfig
 
 __all__ = [
     "Schedule",
@@ -283,6 +284,7 @@ class LoggingConfig:
     profile: ProfileConfig = field(
         default_factory=lambda: ProfileConfig(), metadata={"help": "A torch.profiler trace of a few steps."}
     )
+    mlflow: MlflowConfig = opt(MlflowConfig(), "MLflow tracking (off unless tracking_uri is set).")
 
     def __post_init__(self) -> None:
         at_least(self, 1, "every_steps")

@@ -18,6 +18,7 @@ from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.rundir import Finished, RunLock, check_config, finished, record_changes
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
+from raytrain_loops.launch.tracking import Tracking, open_tracking, tracked
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -45,7 +46,8 @@ def run_name(config: Config, task: Task) -> str:
     data = config.to_dict()
     ignored = ("storage_path", "progress", "allow_config_change")
     data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
-    data["logging"] = {k: v for k, v in data["logging"].items() if k != "verbose"}
+    # How the run is shown and where it is tracked are not what it is.
+    data["logging"] = {k: v for k, v in data["logging"].items() if k not in ("verbose", "mlflow")}
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
@@ -213,6 +215,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         config = load_config(config, overrides)
     elif overrides:
         config = load_config(config.to_dict(), overrides)
+    tracking = open_tracking(config.logging.mlflow)  # an unusable tracking URI fails before any work
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
     run_dir = storage.join(config.run.storage_path, name)
@@ -224,7 +227,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
             return _finished_result(run_dir, done)
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
-        return _train(config, task, splits, rows, name, run_dir)
+        return _train(config, task, splits, rows, name, run_dir, tracking)
 
 
 def _finished_result(run_dir: str, done: Finished) -> FitResult:
@@ -236,11 +239,19 @@ def _finished_result(run_dir: str, done: Finished) -> FitResult:
     return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
 
 
-def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int], name: str, run_dir: str):
+def _train(
+    config: Config,
+    task: Task,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    name: str,
+    run_dir: str,
+    tracking: Tracking | None = None,
+) -> FitResult:
     from raytrain_loops.launch.console import Announcer, Console
 
     start = time.time()
-    with Console(run_dir, config.logging.verbose) as console:
+    with Console(run_dir, config.logging.verbose) as console, tracked(tracking, run_dir, name, config) as mlflow_run:
         ensure_ray(config)
         from raytrain_loops.launch.trainer import build_trainer
 
@@ -248,16 +259,25 @@ def _train(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, i
         board = StopBoard.new(run_dir, config.scaling.num_workers)
         announcer = Announcer(sender, config.run.max_failures)
         trainer = build_trainer(
-            config, task, splits, rows, name, run_dir, callbacks=[announcer], board=board, console=sender
+            config,
+            task,
+            splits,
+            rows,
+            name,
+            run_dir,
+            callbacks=[announcer],
+            board=board,
+            console=sender,
+            tracking=mlflow_run,
         )
         result = fit_or_stop(trainer, board)
-    wall = time.time() - start
-    metrics = dict(result.metrics or {})
-    checkpoint = result.checkpoint.path if result.checkpoint else None
-    summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
-    storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
-    if not storage.is_uri(run_dir):
-        from raytrain_loops.launch.plots import plot_run
+        wall = time.time() - start
+        metrics = dict(result.metrics or {})
+        checkpoint = result.checkpoint.path if result.checkpoint else None
+        summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
+        storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
+        if not storage.is_uri(run_dir):
+            from raytrain_loops.launch.plots import plot_run
 
-        plot_run(run_dir)
+            plot_run(run_dir)
     return FitResult(run_dir, metrics, checkpoint, wall)

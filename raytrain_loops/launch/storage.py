@@ -214,3 +214,17 @@ def write_bytes(dest: str, data: bytes) -> None:
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, p)
+
+
+def read_bytes(path: str) -> bytes | None:
+    """A file's bytes from a local path or a URI; None if there is none."""
+    if is_uri(path):
+        if not exists(path):
+            return None
+        fs, p = _fs(path)
+        with fs.open_input_stream(p) as f:
+            return f.read()
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        return None

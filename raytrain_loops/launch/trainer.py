@@ -14,6 +14,7 @@ from raytrain_loops.launch import storage
 from raytrain_loops.launch.checkpoints import KeepBest
 from raytrain_loops.launch.console import Sender
 from raytrain_loops.launch.stops import StopBoard
+from raytrain_loops.launch.tracking import TrackedRun
 from raytrain_loops.launch.worker import WorkerPayload, train_loop_per_worker
 from raytrain_loops.tasks import ParquetSplit, Task
 
@@ -106,11 +107,13 @@ def build_trainer(
     *,
     board: StopBoard,
     console: Sender | None = None,
+    tracking: TrackedRun | None = None,
 ) -> TorchTrainer:
     """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
     is where its workers post a stop (read it back with :func:`~raytrain_loops.launch.stops.fit_or_stop`);
-    ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout)."""
+    ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout);
+    ``tracking``, the MLflow run rank 0 logs to."""
     datasets = {
         split_name: parquet_dataset(split, config)
         for split_name, split in splits.items()
@@ -120,7 +123,7 @@ def build_trainer(
     # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
     # copies the driver's DataContext when the trainer is built.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    payload = WorkerPayload(config, task, splits, rows, run_dir, board, init_checkpoint, console)
+    payload = WorkerPayload(config, task, splits, rows, run_dir, board, init_checkpoint, console, tracking)
     return TorchTrainer(
         functools.partial(train_loop_per_worker, payload),
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),

@@ -26,6 +26,7 @@ from raytrain_loops.launch.console import Console
 from raytrain_loops.launch.fit import ensure_ray, planned_steps, prepare
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.launch.sweep_results import SweepResult, write_outputs
+from raytrain_loops.launch.tracking import TrackedRun, finish_sweep, open_tracking, tracked
 from raytrain_loops.tasks import Task
 
 DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer
@@ -79,9 +80,6 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
     """Tune's trainable: one Ray Train run with this trial's values."""
     from ray import tune
     from ray.train.v2.api.callback import UserCallback
-    from ray.util.queue import Empty, Queue
-
-    from raytrain_loops.launch.trainer import build_trainer
 
     class Relay(_Relay, UserCallback):
         pass
@@ -94,6 +92,27 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
     # its own run name would make Ray Train resume the trial's old state instead).
     name = trial if init is None else f"{trial}-from-{hashlib.sha256(init.encode()).hexdigest()[:8]}"
     run_dir = storage.join(config.run.storage_path, name)
+    tags = {"sweep": payload["sweep"], "trial": trial}
+    # Tune ends a trial it stops (at an ASHA rung, or at max_t) with SIGTERM: a normal end.
+    with tracked(payload["tracking"], run_dir, name, config, tags, stopped="FINISHED") as mlflow_run:
+        _relay(config, payload, name, run_dir, init, mlflow_run, Relay)
+
+
+def _relay(
+    config: Config,
+    payload: dict[str, Any],
+    name: str,
+    run_dir: str,
+    init: str | None,
+    mlflow_run: TrackedRun | None,
+    relay: type,
+) -> None:
+    """Run the trial's TorchTrainer on a thread and pass its reports on to Tune."""
+    from ray import tune
+    from ray.util.queue import Empty, Queue
+
+    from raytrain_loops.launch.trainer import build_trainer
+
     queue = Queue(maxsize=4, actor_options={"num_cpus": 0})
     board = StopBoard.new(run_dir, config.scaling.num_workers)
     trainer = build_trainer(
@@ -103,9 +122,10 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
         payload["rows"],
         name,
         run_dir,
-        callbacks=[Relay(queue)],
+        callbacks=[relay(queue)],
         init_checkpoint=init,
         board=board,
+        tracking=mlflow_run,
     )
     outcome: dict[str, BaseException] = {}
 
@@ -168,6 +188,7 @@ def sweep_name(base: Config, sweep: SweepConfig, task: Task) -> str:
     if sweep.name:
         return sweep.name
     recipe = {k: v for k, v in base.to_dict().items() if k != "run"}
+    del recipe["logging"]["mlflow"]  # where the sweep is tracked is not what it searches
     blob = json.dumps({"base": recipe, "sweep": to_dict(sweep)}, sort_keys=True)
     return f"{type(task).__name__.removesuffix('Task').lower() or 'task'}-sweep-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
 
@@ -315,6 +336,7 @@ def tune(
     sweep_dir = storage.join(root, sweep_name(config, sweep, task))
     base = trial_base(config, sweep, sweep_dir)
     print(f"sweep directory: {sweep_dir}", flush=True)
+    tracking = open_tracking(config.logging.mlflow, default_experiment=storage.name(sweep_dir))
 
     # Trials share the cluster: a trial's workers may wait for those of a trial that just ended.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
@@ -327,6 +349,7 @@ def tune(
 
         payload = {"base": base.to_dict(), "task": task, "splits": splits, "rows": rows}
         payload["hand_over"] = sweep.scheduler.name == "pbt"
+        payload["tracking"], payload["sweep"] = tracking, storage.name(sweep_dir)
         trainable = rt.with_resources(rt.with_parameters(_trial, payload=payload), {"CPU": DRIVER_CPUS})
         length = planned_steps(base, splits, rows)
         decisions = _Decisions(console.display)
@@ -342,4 +365,7 @@ def tune(
             results = tuner.fit()
         finally:
             pbt_logger.removeHandler(decisions)
+    if tracking is not None:
+        failed = {storage.name(r.path) for r in results if r.error is not None}
+        finish_sweep(tracking, storage.name(sweep_dir), failed)
     return write_outputs(results, sweep, base, config.run, sweep_dir)

@@ -33,6 +33,7 @@ from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.profile import Profile
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.launch.stops import StopBoard
+from raytrain_loops.launch.tracking import MlflowLog, TrackedRun
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 
@@ -40,7 +41,8 @@ from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 class WorkerPayload:
     """What the driver sends every worker: the run's config, the task, its data and where the
     run's files go; ``stops``, where a worker posts a stop that a retry cannot fix.
-    ``init_checkpoint`` starts a new run from another run's checkpoint."""
+    ``init_checkpoint`` starts a new run from another run's checkpoint; ``tracking``, the MLflow
+    run rank 0 logs to."""
 
     config: Config
     task: Task
@@ -50,6 +52,7 @@ class WorkerPayload:
     stops: StopBoard
     init_checkpoint: str | None = None
     console: Sender | None = None
+    tracking: TrackedRun | None = None
 
 
 def _set_threads(config: Config) -> None:
@@ -122,6 +125,8 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         Throughput(config.logging.throughput, engine, task.criterion, task.counts if task.count_keys else None)
     )
     callbacks.append(Profile(config.logging.profile, run_dir, rank, engine.device))
+    if payload.tracking is not None:
+        callbacks.append(MlflowLog(payload.tracking, rank))
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)

@@ -1,0 +1,346 @@
+"""MLflow tracking: one MLflow run per run directory.
+
+The driver checks the tracking URI and creates (or, on a rerun, reopens) the MLflow run before Ray
+starts, logs the resolved config as its params and keeps the run's id in ``<run_dir>/mlflow_run_id``;
+rank 0 of every attempt attaches to that run (:class:`MlflowLog`) and logs the interval metrics and
+evaluations, already reduced over all workers, with their step; the driver logs the run's files as
+artifacts and ends the run. A restarted group, a resumed run or a rerun continues the same MLflow
+run, and steps that a restarted group replays are not logged twice.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.config.tracking import MlflowConfig
+from raytrain_loops.engine.loop import Callback
+from raytrain_loops.launch import storage
+from raytrain_loops.launch.rundir import flatten
+
+KEY = "logging.mlflow.tracking_uri"
+RUN_ID_FILE = "mlflow_run_id"
+ARTIFACTS = ("summary.json", "config.yaml", "curves.png", "config_changes.jsonl")
+# MLflow's limits: a param value's length, and entries per log_batch request.
+MAX_PARAM_VALUE = 6000
+PARAMS_PER_CALL = 100
+METRICS_PER_CALL = 1000
+FLUSH_TIMEOUT_S = 30.0  # how long an evaluation or a checkpoint waits for the metrics sent before it
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where runs are tracked: the tracking URI as the driver resolved it (absolute local paths,
+    so that workers running in other directories reach the same store) and the experiment's id."""
+
+    tracking_uri: str
+    experiment_id: str
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """The MLflow run that a run directory's attempts log to."""
+
+    tracking_uri: str
+    run_id: str
+
+
+def resolve_uri(uri: str) -> str:
+    """``uri`` with local paths made absolute: a directory, ``file:`` and ``sqlite:///``."""
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///") :]
+        if path == ":memory:" or not path:
+            raise ConfigError(KEY, f"{uri!r} is private to one process; name a database file (sqlite:///path.db)")
+        return "sqlite:///" + os.path.abspath(os.path.expanduser(path))
+    if uri.startswith("file:"):
+        path = uri[len("file:") :]
+        path = path[2:] if path.startswith("//") else path
+        return "file://" + os.path.abspath(os.path.expanduser(path))
+    if "://" not in uri:
+        return os.path.abspath(os.path.expanduser(uri))
+    return uri
+
+
+def client(uri: str):
+    """An ``MlflowClient`` for ``uri``; a ConfigError naming the key when MLflow is not installed."""
+    try:
+        from mlflow import MlflowClient
+    except ImportError:
+        raise ConfigError(KEY, "needs MLflow: pip install 'raytrain-loops[mlflow]'") from None
+    if uri.startswith("file:") or "://" not in uri:
+        # A directory is what the user asked for: MLflow keeps this store in maintenance mode
+        # and refuses it unless told otherwise.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MlflowClient(tracking_uri=uri)
+
+
+@contextmanager
+def _fail_fast() -> Iterator[None]:
+    """An unreachable tracking server fails the check in seconds (MLflow retries for minutes);
+    the user's own settings win."""
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _reason(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def open_tracking(cfg: MlflowConfig, default_experiment: str = "raytrain-loops") -> Tracking | None:
+    """Check the tracking URI on the driver, before Ray starts, and find (or create) the
+    experiment. None when tracking is off; a ConfigError naming the key when the URI is unusable."""
+    if not cfg.tracking_uri:
+        return None
+    uri = resolve_uri(cfg.tracking_uri)
+    name = cfg.experiment or default_experiment
+    with _fail_fast():
+        try:
+            mlflow_client = client(uri)
+            experiment = mlflow_client.get_experiment_by_name(name)
+            if experiment is None:
+                experiment_id = _create_experiment(mlflow_client, name)
+            else:
+                experiment_id = experiment.experiment_id
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError(
+                KEY, f"cannot use {cfg.tracking_uri!r} as an MLflow tracking store: {_reason(err)}"
+            ) from None
+    if experiment is not None and experiment.lifecycle_stage == "deleted":
+        raise ConfigError(
+            "logging.mlflow.experiment", f"experiment {name!r} is deleted in {uri}: restore it, or name another"
+        )
+    return Tracking(uri, experiment_id)
+
+
+def _artifact_location(uri: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: ``mlartifacts/`` beside the
+    database. MLflow's default, ``./mlruns``, is the current directory of whichever process
+    happens to create the experiment."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return "file://" + os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "mlartifacts")
+
+
+def _create_experiment(mlflow_client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=_artifact_location(mlflow_client.tracking_uri))
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":  # another driver created it meanwhile
+            raise
+        return mlflow_client.get_experiment_by_name(name).experiment_id
+
+
+def _recorded_run(mlflow_client, run_dir: str) -> str | None:
+    """The id in ``mlflow_run_id`` when that run is still in the store (and not deleted)."""
+    from mlflow.exceptions import MlflowException
+
+    text = storage.read_text(storage.join(run_dir, RUN_ID_FILE))
+    if not text or not text.strip():
+        return None
+    run_id = text.strip()
+    try:
+        run = mlflow_client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+        print(f"the MLflow run {run_id} of {run_dir} is not in this tracking store: starting a new one", flush=True)
+        return None
+    if run.info.lifecycle_stage == "deleted":
+        print(f"the MLflow run {run_id} of {run_dir} was deleted: starting a new one", flush=True)
+        return None
+    return run_id
+
+
+def start_run(
+    tracking: Tracking, run_dir: str, name: str, config: Config, tags: dict[str, str] | None = None
+) -> TrackedRun:
+    """Reopen the run directory's MLflow run, or create it and record its id there; log the
+    config's keys the run does not have yet as params (MLflow never changes a param: a rerun's
+    accepted changes are in the ``config_changes.jsonl`` and ``config.yaml`` artifacts)."""
+    mlflow_client = client(tracking.tracking_uri)
+    run_id = _recorded_run(mlflow_client, run_dir)
+    if run_id is None:
+        run = mlflow_client.create_run(tracking.experiment_id, run_name=name, tags={"run_dir": run_dir, **(tags or {})})
+        run_id = run.info.run_id
+        storage.write_text(storage.join(run_dir, RUN_ID_FILE), run_id + "\n")
+        present: dict[str, str] = {}
+    else:
+        mlflow_client.update_run(run_id, status="RUNNING")
+        present = mlflow_client.get_run(run_id).data.params
+    print(f"MLflow run {run_id} in {tracking.tracking_uri}", flush=True)
+    log_params(mlflow_client, run_id, flatten(config.to_dict()), present)
+    return TrackedRun(tracking.tracking_uri, run_id)
+
+
+def log_params(mlflow_client, run_id: str, params: dict[str, Any], present: dict[str, str]) -> None:
+    """Log ``params`` (dotted keys) missing from ``present``, at most ``PARAMS_PER_CALL`` a request."""
+    from mlflow.entities import Param
+
+    todo = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in sorted(params.items()) if k not in present]
+    for i in range(0, len(todo), PARAMS_PER_CALL):
+        mlflow_client.log_batch(run_id, params=todo[i : i + PARAMS_PER_CALL])
+
+
+def end_run(run: TrackedRun, run_dir: str, status: str) -> None:
+    """Log the run directory's files as artifacts and end the MLflow run with ``status``. A
+    failure here is a warning: it must not hide the run's own outcome."""
+    try:
+        mlflow_client = client(run.tracking_uri)
+        with tempfile.TemporaryDirectory(prefix="raytrain-mlflow-") as tmp:
+            for name in ARTIFACTS:
+                path = _local_copy(storage.join(run_dir, name), tmp)
+                if path is not None:
+                    mlflow_client.log_artifact(run.run_id, path)
+        mlflow_client.set_terminated(run.run_id, status)
+    except Exception as err:
+        print(f"warning: could not end the MLflow run {run.run_id}: {_reason(err)}", flush=True)
+
+
+def _local_copy(path: str, tmp: str) -> str | None:
+    if not storage.is_uri(path):
+        return path if os.path.isfile(path) else None
+    data = storage.read_bytes(path)
+    if data is None:
+        return None
+    local = os.path.join(tmp, storage.name(path))
+    with open(local, "wb") as f:
+        f.write(data)
+    return local
+
+
+@contextmanager
+def tracked(
+    tracking: Tracking | None,
+    run_dir: str,
+    name: str,
+    config: Config,
+    tags: dict[str, str] | None = None,
+    stopped: str = "KILLED",
+) -> Iterator[TrackedRun | None]:
+    """The MLflow run of the block: started before it, FINISHED after it, FAILED when it raises,
+    ``stopped`` when the process is interrupted or terminated (SIGTERM is a SystemExit under
+    Ray). Nothing when tracking is off."""
+    if tracking is None:
+        yield None
+        return
+    run = start_run(tracking, run_dir, name, config, tags)
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    except (KeyboardInterrupt, SystemExit):
+        status = stopped
+        raise
+    finally:
+        end_run(run, run_dir, status)
+
+
+def finish_sweep(tracking: Tracking, sweep: str, failed: set[str]) -> None:
+    """End the runs of a sweep's trials that a scheduler stopped before they could end their own
+    (their actors are killed): FAILED for the trials in ``failed``, FINISHED for the others."""
+    mlflow_client = client(tracking.tracking_uri)
+    runs = mlflow_client.search_runs(
+        [tracking.experiment_id], filter_string=f"tags.sweep = '{sweep}' and attributes.status = 'RUNNING'"
+    )
+    for run in runs:
+        trial = run.data.tags.get("trial", "")
+        mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
+
+
+class MlflowLog(Callback):
+    """Rank 0's metrics in the MLflow run: each logging interval's metrics (averaged over all
+    workers) and each evaluation, at their step, in one ``log_batch`` per call.
+
+    The requests go out on a background thread, so the training thread never waits on the
+    tracking store. Before the first, the thread reads which steps the run already has: a
+    restarted group replays the steps since its checkpoint, and those the failed attempt had
+    logged are left out, so every metric has one value per step.
+    """
+
+    def __init__(self, run: TrackedRun | None, rank: int):
+        self.enabled = run is not None and rank == 0
+        if not self.enabled:
+            return
+        self.run = run
+        self.logged: dict[str, int] = {}
+        self.client = None
+        self.failures = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-log")
+        self._pool.submit(self._attach)
+
+    def _attach(self) -> None:
+        try:
+            self.client = client(self.run.tracking_uri)
+            keys = self.client.get_run(self.run.run_id).data.metrics
+            for key in keys:
+                history = self.client.get_metric_history(self.run.run_id, key)
+                self.logged[key] = max((m.step for m in history), default=-1)
+        except Exception as err:
+            self._warn(err)
+
+    def on_interval(self, metrics: dict[str, float], step: int) -> None:
+        if self.enabled:
+            self._submit({k: v for k, v in metrics.items() if k != "step"}, step)
+
+    def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        if self.enabled:
+            self._submit(metrics, step)
+            # The report carrying an evaluation may end the process (Tune stops a trial on it):
+            # the evaluation is in MLflow first, unless the store is slow.
+            self._wait(FLUSH_TIMEOUT_S)
+
+    def before_checkpoint(self) -> None:
+        if self.enabled:
+            self._wait(FLUSH_TIMEOUT_S)
+
+    def _submit(self, metrics: dict[str, float], step: int) -> None:
+        self._pool.submit(self._log, dict(metrics), step, int(time.time() * 1000))
+
+    def _wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the requests sent so far."""
+        with suppress(FuturesTimeout):
+            self._pool.submit(lambda: None).result(timeout=timeout)
+
+    def _log(self, metrics: dict[str, float], step: int, timestamp: int) -> None:
+        from mlflow.entities import Metric
+
+        batch = [Metric(k, float(v), timestamp, step) for k, v in metrics.items() if step > self.logged.get(k, -1)]
+        try:
+            for i in range(0, len(batch), METRICS_PER_CALL):
+                self.client.log_batch(self.run.run_id, metrics=batch[i : i + METRICS_PER_CALL])
+        except Exception as err:
+            self._warn(err)
+
+    def _warn(self, err: Exception) -> None:
+        self.failures += 1
+        if self.failures == 1:  # the rest are counted, not printed: the store may be down for long
+            print(f"warning: MLflow logging failed (training goes on): {_reason(err)}", flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._pool.shutdown(wait=True)
+        if self.failures > 1:
+            print(f"warning: {self.failures} MLflow requests failed in this attempt", flush=True)

@@ -1,0 +1,163 @@
+"""MLflow tracking against real local MLflow stores (a directory, sqlite): the URI checked before
+Ray starts, the config as params, reduced metrics with their step, one MLflow run per run
+directory through restarts and reruns."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_loops import fit
+from raytrain_loops.config import ConfigError, load_config
+from raytrain_loops.launch import fit as fit_module
+from raytrain_loops.launch.rundir import flatten
+from raytrain_loops.launch.tracking import RUN_ID_FILE, MlflowLog, TrackedRun, open_tracking, start_run
+from raytrain_loops.recipes import resolve
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("uri", ["nosuchstore://somewhere", "http://127.0.0.1:{port}"])
+def test_an_unusable_tracking_uri_is_an_error_naming_the_key_before_ray_starts(tmp_path, monkeypatch, uri):
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(fit_module, "ensure_ray", no_ray)
+    uri = uri.format(port=_closed_port())
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        fit(
+            resolve("default"),
+            overrides=[
+                f"logging.mlflow.tracking_uri={uri}",
+                f"data.dir={tmp_path / 'data'}",
+                f"run.storage_path={tmp_path / 'runs'}",
+            ],
+        )
+    assert info.value.key == "logging.mlflow.tracking_uri" and uri in str(info.value)
+    assert time.monotonic() - started < 30  # no minutes of HTTP retries against a closed port
+    assert not (tmp_path / "data").exists() and not (tmp_path / "runs").exists()  # nothing prepared
+
+
+def test_the_callback_logs_each_step_once_across_a_restart_and_a_rerun_reopens_the_run(tmp_path):
+    store = tmp_path / "mlruns"  # a directory store
+    config = load_config(resolve("default"), [f"logging.mlflow.tracking_uri={store}", "logging.mlflow.experiment=e"])
+    tracking = open_tracking(config.logging.mlflow)
+    run_dir = str(tmp_path / "run")
+    run = start_run(tracking, run_dir, "digits-x", config)
+    client = mlflow.MlflowClient(tracking.tracking_uri)
+    params = client.get_run(run.run_id).data.params
+    assert params["optim.name"] == "adamw" and params["logging.mlflow.experiment"] == "e"
+    assert set(params) == set(flatten(config.to_dict()))
+    assert (Path(run_dir) / RUN_ID_FILE).read_text().strip() == run.run_id
+
+    def attempt(steps: list[int]) -> None:
+        logs = [MlflowLog(run, rank=0), MlflowLog(run, rank=1)]  # only rank 0 logs
+        for step in steps:
+            for log in logs:
+                log.on_interval({"loss": 1.0 / step, "lr": 0.1, "step": float(step)}, step)
+                if step % 4 == 0:
+                    log.on_eval({"eval_accuracy": step / 100}, step, epoch=0)
+        for log in logs:
+            log.close()
+
+    attempt([2, 4, 6])  # killed after step 6: the checkpoint was at step 2
+    attempt([4, 6, 8])  # the restarted group replays steps 4 and 6
+    assert _history(client, run.run_id, "loss") == [(2, 0.5), (4, 0.25), (6, 1 / 6), (8, 0.125)]
+    assert _history(client, run.run_id, "eval_accuracy") == [(4, 0.04), (8, 0.08)]
+    assert "step" not in client.get_run(run.run_id).data.metrics  # the step is the axis
+
+    # A rerun of the run directory (a resumed run, or a changed run length) continues it.
+    longer = load_config(config.to_dict(), ["loop.max_steps=99"])
+    again = start_run(open_tracking(longer.logging.mlflow), run_dir, "digits-x", longer)
+    assert again.run_id == run.run_id
+    assert client.get_run(run.run_id).data.params["loop.max_steps"] == "0"  # MLflow keeps the first value
+    assert len(client.search_runs([tracking.experiment_id])) == 1
+
+
+def test_a_failing_tracking_store_is_a_warning_and_the_loop_goes_on(tmp_path, capsys):
+    store = tmp_path / "mlruns"
+    open_tracking(load_config(None, [f"logging.mlflow.tracking_uri={store}"]).logging.mlflow)
+    log = MlflowLog(TrackedRun(str(store), "0123456789abcdef0123456789abcdef"), rank=0)  # no such run
+    for step in (1, 2, 3):
+        log.on_interval({"loss": 1.0}, step)
+    log.close()
+    out = capsys.readouterr().out
+    assert out.count("warning: MLflow logging failed (training goes on)") == 1
+    assert "warning: 4 MLflow requests failed in this attempt" in out  # the attach and 3 batches
+
+
+def test_the_stores_run_id_is_recorded_and_a_missing_run_is_replaced(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = load_config(resolve("default"), [f"logging.mlflow.tracking_uri={store}"])
+    tracking = open_tracking(config.logging.mlflow)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / RUN_ID_FILE).write_text("0123456789abcdef0123456789abcdef\n")  # from another store
+    run = start_run(tracking, str(run_dir), "r", config)
+    assert run.run_id != "0123456789abcdef0123456789abcdef"
+    assert (run_dir / RUN_ID_FILE).read_text().strip() == run.run_id
+    client = mlflow.MlflowClient(store)
+    assert client.get_run(run.run_id).info.run_name == "r"
+    # Artifacts beside the database, not in the current directory of the process that created it.
+    assert client.get_experiment(tracking.experiment_id).artifact_location == f"file://{tmp_path}/mlartifacts"
+    assert isinstance(run, TrackedRun) and run.tracking_uri == store
+
+
+@pytest.mark.ray
+def test_a_killed_worker_and_the_restarted_group_log_to_one_mlflow_run(ray_session, tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [
+        f"logging.mlflow.tracking_uri={store}",
+        "logging.mlflow.experiment=faults",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "run.name=killed",
+        "run.progress=false",
+        "loop.max_steps=16",
+        "logging.every_steps=2",
+        "eval.every_steps=4",
+        "checkpoint.every_steps=6",
+        # The restarted group resumes from step 6 and replays steps 7-9, an interval and an
+        # evaluation at step 8 among them, which the killed attempt had logged.
+        "fault.plan=[{step: 9, rank: 1, kind: kill}]",
+        "run.max_failures=1",
+    ]
+    result = fit(resolve("default"), overrides=overrides)
+    run_dir = Path(result.run_dir)
+    assert (run_dir / "faults" / "0.fired").exists()  # the kill happened
+    evaluated = [json.loads(line)["step"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evaluated == [4, 8, 8, 12, 16]  # both attempts evaluated at step 8
+
+    client = mlflow.MlflowClient(store)
+    experiment = client.get_experiment_by_name("faults")
+    (run,) = client.search_runs([experiment.experiment_id])  # one run, not one per attempt
+    run_id = run.info.run_id
+    assert (run_dir / RUN_ID_FILE).read_text().strip() == run_id
+    assert run.info.status == "FINISHED" and run.info.run_name == "killed"
+    assert run.data.params["loop.max_steps"] == "16" and run.data.params["scaling.num_workers"] == "2"
+    assert run.data.params["fault.plan"] == "[{'step': 9, 'rank': 1, 'kind': 'kill'}]"
+
+    loss = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in loss) == [2, 4, 6, 8, 10, 12, 14, 16]  # step 8 once
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval_accuracy"))
+    assert [s for s, _ in evals] == [4, 8, 12, 16]  # MLflow has step 8 once
+    assert evals[-1][1] == pytest.approx(result.metrics["eval_accuracy"])
+
+    artifacts = {f.path for f in client.list_artifacts(run_id)}
+    assert {"summary.json", "config.yaml", "curves.png"} <= artifacts
+    assert (tmp_path / "mlartifacts" / run_id / "artifacts" / "summary.json").is_file()  # beside the database
