@@ -15,7 +15,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def plot_run(run_dir: str) -> str | None:
-    """Write ``curves.png`` from ``metrics.jsonl`` and ``eval.jsonl``; return its path."""
+    """Write ``curves.png`` from ``metrics.jsonl``, ``epochs.jsonl`` and ``eval.jsonl``; return its path."""
     steps = [r for r in _read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("applied")]
     evals = _read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     if not steps:
@@ -25,7 +25,8 @@ def plot_run(run_dir: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({k for r in evals for k in r if k.startswith("eval_")})
+    # The model's metrics before its EMA's, so each keeps its colour from panel to panel.
+    names = sorted({k for r in evals for k in r if k.startswith("eval_")}, key=lambda n: (n.startswith("eval_ema_"), n))
     series = {n: [(r["step"], r[n]) for r in evals if isinstance(r.get(n), int | float)] for n in names}
     # Scores (accuracy, mAP, IoU: higher is better) apart from losses and errors, whose scale
     # would flatten them.
@@ -36,7 +37,12 @@ def plot_run(run_dir: str) -> str | None:
     panels = [p for p in panels if p[1]] or [("evaluation", [])]
     fig, axes = plt.subplots(1, 2 + len(panels), figsize=(5 * (2 + len(panels)), 4))
     x = [r["step"] for r in steps]
-    axes[0].plot(x, [r["loss"] for r in steps], lw=0.8)
+    axes[0].plot(x, [r["loss"] for r in steps], lw=0.8, label="each step (rank 0)")
+    epochs = [e for e in _read_jsonl(os.path.join(run_dir, "epochs.jsonl")) if "train_loss" in e]
+    if epochs:
+        ends = [e["step"] for e in epochs]
+        axes[0].plot(ends, [e["train_loss"] for e in epochs], marker="o", label="epoch average (all workers)")
+        axes[0].legend(fontsize=8)
     axes[0].set(title="training loss", xlabel="step", yscale="log")
     axes[1].plot(x, [r["lr"] for r in steps])
     axes[1].set(title="learning rate", xlabel="step")
