@@ -117,7 +117,9 @@ class StepContext:
     and ``totals``: the counts the task declared (``Engine(counts=...)``), summed over this
     update's micro-batches on all workers before any forward pass. ``slots`` is the number of
     micro-batch places the update averages over (workers x micro-batches, ``None`` ones
-    included)."""
+    included). ``measuring`` is true when the criterion runs outside training, on copies of the
+    models (the throughput callback's one FLOP count): a criterion with effects outside the model
+    (files, counters of its own) skips them then."""
 
     step: int
     epoch: int
@@ -126,6 +128,7 @@ class StepContext:
     micro_index: int = 0
     totals: dict[str, float] = field(default_factory=dict)
     slots: int = 1
+    measuring: bool = False
 
     def per_slot(self, name: str) -> float:
         """``totals[name]`` over ``slots``: with ``loss.reduction=mean``, a micro-batch's sum

@@ -174,7 +174,7 @@ class Throughput(Callback):
         engine = self.engine
         model = copy.deepcopy(engine.module).train()
         ema = copy.deepcopy(engine.ema.module) if engine.ema is not None else None
-        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema)
+        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema, measuring=True)
         if self.counts is not None:
             ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
         counter = FlopCounterMode(display=False)
