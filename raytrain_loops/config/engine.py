@@ -22,6 +22,7 @@ __all__ = [
     "SpikeConfig",
     "LoggingConfig",
     "EngineConfig",
+    "CompileConfig",
     "default_schedules",
 ]
 
@@ -274,3 +275,17 @@ class EngineConfig:
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     oom: OOMConfig = field(default_factory=OOMConfig)
     grad_sync: GradSyncConfig = field(default_factory=GradSyncConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """``torch.compile`` applied to each block the task names (``Task.blocks``), in place: parameter
+    names and checkpoints stay those of the plain model, and one block's graph serves them all."""
+
+    enabled: bool = opt(False, "Compile each of the task's blocks.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
+        "default", "torch.compile mode."
+    )
+    dynamic: bool | None = opt(
+        None, "torch.compile dynamic: true for shapes that change (packed LM batches); null: automatic."
+    )
