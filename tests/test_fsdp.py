@@ -237,3 +237,49 @@ def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_pat
     plain.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])
     assert all(torch.equal(v, saved[k]) for k, v in plain.state_dict().items())
     assert exported["counters"]["step"] == 2 and set(exported["ema"]) == set(saved)
+
+
+@pytest.mark.ray
+def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and_exports(ray_session, tmp_path):
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from raytrain_loops import fit
+    from raytrain_loops.cli import main
+    from raytrain_loops.engine import checkpoint as ckpt
+    from raytrain_loops.recipes import resolve
+    from raytrain_loops.tasks.lm import LMTask
+
+    params = dict(dim=32, layers=2, heads=2, max_len=128, max_tokens=1024, val_percent=20.0)
+    params["source"] = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
+    overrides = [f"task.params.{k}={v}" for k, v in params.items()] + [
+        "scaling.strategy=fsdp",
+        "checkpointing=full",
+        "ema.enabled=true",
+        "loop.max_steps=6",
+        "checkpoint.every_steps=3",
+        "eval.every_steps=0",  # at the end of the run: 3 eval rows, 2 on one worker and 1 on the other
+        "schedules.lr.warmup_steps=0",
+        "logging.every_steps=3",
+        "run.name=fsdp",
+        "run.progress=false",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.storage_path={tmp_path}",
+    ]
+    result = fit(resolve("lm"), overrides=overrides)
+    run_dir = Path(result.run_dir)
+    assert result.metrics["eval_bpb"] < 8.0 and "eval_ema_bpb" in result.metrics
+    final = run_dir / "checkpoint_00000006"
+    assert ckpt.verify(final) == 2 and ckpt.is_sharded(final)
+    assert {p.name for p in (final / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+    # The same run goes on with one worker: the two workers' shards resharded into one.
+    fit(resolve("lm"), overrides=[*overrides, "loop.max_steps=8", "scaling.num_workers=1"])
+    init = json.loads((run_dir / "init.json").read_text())
+    assert init["checkpoint"].endswith("checkpoint_00000006") and init["world_size"] == 2
+    assert ckpt.verify(run_dir / "checkpoint_00000008") == 1
+
+    assert main(["export", str(final), str(tmp_path / "state.pt")]) == 0
+    model = LMTask(**params).build_model()
+    model.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])  # strict: every key

@@ -8,7 +8,8 @@ wraps a block's forward, compilation traces it, sharding gathers its parameters 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.engine import dist
 
-__all__ = ["apply_checkpointing", "compile_blocks", "is_sharded", "local", "prepare_model", "shard"]
+__all__ = ["apply_checkpointing", "compile_blocks", "is_sharded", "local", "lockstep", "prepare_model", "shard"]
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -144,3 +145,25 @@ def prepare_model(
         )
     apply_checkpointing(blocks, checkpointing)
     compile_blocks(blocks, compile_cfg)
+
+
+def lockstep(batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(batch, True)`` for each of this worker's batches, then ``(first batch, False)`` until
+    every worker has run out: under FSDP each forward gathers parameters from all workers, so
+    all of them must run as many (an evaluation split is not cut into equal shares). One small
+    all-reduce per batch decides, the same on every worker."""
+    first, it = None, iter(batches)
+    while True:
+        batch = next(it, None)
+        if first is None:
+            first = batch
+        flags = torch.tensor([float(batch is not None), float(first is None)], device=dist.collective_device())
+        running, empty = dist.all_reduce_sum(flags).tolist()
+        if running == 0:
+            return
+        if empty:
+            raise RuntimeError(
+                f"{int(empty)} worker(s) have no evaluation batch while others have some: under FSDP every "
+                "worker must run each forward; lower data.eval_batch_size or give the eval split more rows"
+            )
+        yield (batch, True) if batch is not None else (first, False)
