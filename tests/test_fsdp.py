@@ -283,3 +283,78 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
     assert main(["export", str(final), str(tmp_path / "state.pt")]) == 0
     model = LMTask(**params).build_model()
     model.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])  # strict: every key
+
+
+def _lm_model():
+    from raytrain_loops.tasks.lm import ByteTransformer
+
+    torch.manual_seed(0)
+    return ByteTransformer(dim=32, layers=2, heads=2)
+
+
+def _backward_ops(model, tokens) -> tuple[float, dict[str, float], dict[str, int]]:
+    """Loss, gradients, and the matmuls and GELUs run during the backward pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = {"mm": 0, "gelu": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm", "bmm"):
+                self.counts["mm"] += 1
+            if name == "gelu":
+                self.counts["gelu"] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = model(tokens).float().logsumexp(-1).mean()
+    with Count() as count:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, count.counts
+
+
+def test_activation_checkpointing_per_block_keeps_names_and_gradients_and_recomputes_what_it_says():
+    from raytrain_loops.engine.sharding import prepare_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _lm_model()
+    ref_loss, ref_grads, ref_ops = _backward_ops(plain, tokens)
+    ops = {}
+    for mode in ("full", "selective"):
+        model = _lm_model()
+        prepare_model(model, list(model.blocks), checkpointing=mode)
+        assert list(model.state_dict()) == list(plain.state_dict()), mode
+        loss, grads, ops[mode] = _backward_ops(model, tokens)
+        assert loss == ref_loss
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")
+    # Without checkpointing no GELU runs in backward; both modes recompute it in each block;
+    # only full recomputes the block's matmuls too (selective kept their outputs).
+    assert ref_ops["gelu"] == 0 and ops["full"]["gelu"] == ops["selective"]["gelu"] == 2
+    assert ops["selective"]["mm"] == ref_ops["mm"] < ops["full"]["mm"]
+
+
+def test_regional_compile_keeps_names_and_checkpoints_and_gives_the_same_loss():
+    from torch._dynamo.utils import counters
+
+    from raytrain_loops.config.engine import CompileConfig
+    from raytrain_loops.engine.sharding import prepare_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _lm_model()
+    ref_loss, ref_grads, _ = _backward_ops(plain, tokens)
+    model = _lm_model()
+    counters.clear()
+    prepare_model(model, list(model.blocks), compile_cfg=CompileConfig(enabled=True))
+    loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] >= 1, "the blocks were not compiled"
+    assert type(model.blocks[0]).__name__ == "Block" and list(model.state_dict()) == list(plain.state_dict())
+    torch.testing.assert_close(loss.item(), ref_loss, atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="Task.blocks"):
+        prepare_model(_lm_model(), [], checkpointing="full")

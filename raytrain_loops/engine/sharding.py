@@ -60,7 +60,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = getattr(op, "overloadpacket", op) in _SAVED_OPS  # the policy sees overloads (aten.mm.default)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
