@@ -17,6 +17,11 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
     sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
     sub.add_parser("recipes", help="list the built-in recipes")
+    export = sub.add_parser(
+        "export", help="write a checkpoint (sharded or not) as one state.pt for inference: model, ema, counters"
+    )
+    export.add_argument("checkpoint", help="a local checkpoint directory (checkpoint_<step>)")
+    export.add_argument("out", help="the file to write, e.g. state.pt")
     submit = sub.add_parser("submit", help="train a recipe on a Ray cluster through the Ray Jobs API")
     submit.add_argument("recipe", help="built-in recipe name or YAML path (inside --working-dir)")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -50,6 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         for name, path in sorted(recipes.builtin().items()):
             print(f"{name:<16} {recipes.describe(path)}")
+        return 0
+
+    if args.command == "export":
+        from raytrain_loops.engine.checkpoint import CheckpointError, export
+
+        try:
+            written = export(args.checkpoint, args.out)
+        except (CheckpointError, FileNotFoundError) as err:
+            return _error(f"cannot export {args.checkpoint}: {err}")
+        step = written["counters"].get("step", "?")
+        print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")
         return 0
 
     if args.command == "submit":

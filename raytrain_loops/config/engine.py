@@ -26,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "ThroughputConfig",
     "ProfileConfig",
+    "CompileConfig",
     "default_schedules",
 ]
 
@@ -335,3 +336,17 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         at_least(self, 0, "start_step")
         at_least(self, 1, "steps")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """``torch.compile`` applied to each block the task names (``Task.blocks``), in place: parameter
+    names and checkpoints stay those of the plain model, and one block's graph serves them all."""
+
+    enabled: bool = opt(False, "Compile each of the task's blocks.")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
+        "default", "torch.compile mode."
+    )
+    dynamic: bool | None = opt(
+        None, "torch.compile dynamic: true for shapes that change (packed LM batches); null: automatic."
+    )

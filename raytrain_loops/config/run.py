@@ -10,6 +10,7 @@ from raytrain_loops.config.base import ConfigError, apply_overrides, at_least, f
 from raytrain_loops.config.engine import (
     AccumConfig,
     ClipConfig,
+    CompileConfig,
     EMAConfig,
     EngineConfig,
     FreezeConfig,
@@ -130,6 +131,15 @@ class ScalingConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = opt(
         "PACK", "How workers are placed on nodes (Ray placement-group strategy); STRICT_SPREAD: one per node."
     )
+    strategy: Literal["ddp", "fsdp"] = opt(
+        "ddp",
+        "ddp: every worker holds the whole model, gradients all-reduced; fsdp: FSDP2 fully_shard on the task's "
+        "blocks (Task.blocks) and then the root, parameters, gradients and optimizer state sharded over the workers "
+        "(checkpoints through torch.distributed.checkpoint).",
+    )
+    reshard_after_forward: bool = opt(
+        True, "fsdp: free the gathered parameters after each block's forward (gathered again for backward)."
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "num_workers")
@@ -226,6 +236,12 @@ class Config:
     scaling: ScalingConfig = opt(ScalingConfig(), "Workers and resources.")
     run: RunConfig = opt(RunConfig(), "Storage, name and Ray reporting.")
     fault: FaultConfig = opt(FaultConfig(), "Faults injected on purpose, to test recovery.")
+    compile: CompileConfig = opt(CompileConfig(), "torch.compile of each of the task's blocks (regional).")
+    checkpointing: Literal["none", "full", "selective"] = opt(
+        "none",
+        "Activation checkpointing of each of the task's blocks: full recomputes a block's forward in backward; "
+        "selective keeps the matmul and attention outputs and recomputes the rest.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "ema_momentum"):

@@ -58,12 +58,15 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def write_files(directory: str | Path, rank: int, files: dict[str, Any], world_size: int) -> None:
+def write_files(
+    directory: str | Path, rank: int, files: dict[str, Any], world_size: int, written: list[str] = ()
+) -> None:
     """Write ``files`` (name -> object for ``torch.save``) and then this rank's manifest, which
-    also records how many workers wrote the checkpoint."""
+    also records how many workers wrote the checkpoint. ``written``: files this rank already
+    wrote there (relative names), listed in the manifest with the others."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    manifest = {}
+    manifest = {name: {"bytes": (d / name).stat().st_size, "sha256": _sha256(d / name)} for name in written}
     for name, obj in files.items():
         _atomic_write(d / name, lambda f, obj=obj: torch.save(obj, f))
         manifest[name] = {"bytes": (d / name).stat().st_size, "sha256": _sha256(d / name)}
@@ -160,3 +163,87 @@ def read_file(directory: str | Path, name: str) -> Any:
         # checked first); an older checkpoint is worth trying, a start from scratch is not.
         error.refused = isinstance(err, pickle.UnpicklingError)
         raise error from None
+
+
+# ---------------------------------------------------------------- sharded (FSDP) checkpoints
+
+DCP_DIR = "dcp"
+SHARDED_KEYS = ("model", "optimizer", "ema")
+
+
+def is_sharded(directory: str | Path) -> bool:
+    """Whether a checkpoint keeps its weights in ``torch.distributed.checkpoint`` shards."""
+    return (Path(directory) / DCP_DIR / ".metadata").is_file()
+
+
+def write_sharded(
+    directory: str | Path, rank: int, files: dict[str, Any], state: dict[str, Any], world_size: int
+) -> None:
+    """A checkpoint of a sharded engine: ``state``'s ``model``, ``optimizer`` and ``ema`` go
+    through ``torch.distributed.checkpoint`` into ``dcp/`` (every worker writes its own shards,
+    rank 0 the metadata; all workers call this together), the rest of ``state`` into ``files``'
+    ``state.pt`` on rank 0; then :func:`write_files`, whose manifest lists this worker's DCP files
+    with their checksums like any other file. ``state`` loses the keys it wrote to DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    d = Path(directory)
+    sharded = {k: state.pop(k) for k in SHARDED_KEYS if state.get(k) is not None}
+    dcp.save(sharded, checkpoint_id=d / DCP_DIR)
+    if rank == 0:
+        files = {**files, STATE: state}
+    mine = [
+        f"{DCP_DIR}/{p.name}"
+        for p in sorted((d / DCP_DIR).iterdir())
+        if re.fullmatch(rf"__{rank}_\d+\.distcp", p.name) or (rank == 0 and p.name == ".metadata")
+    ]
+    write_files(d, rank, files, world_size, written=mine)
+
+
+def read_sharded(directory: str | Path, targets: dict[str, Any]) -> None:
+    """Fill ``targets`` (an engine's ``sharded_targets()``) in place from a checkpoint's DCP shards,
+    whatever the number of workers that wrote them (each worker reads the parts of its shards)."""
+    import torch.distributed.checkpoint as dcp
+
+    wanted = {k: v for k, v in targets.items() if v is not None}
+    try:
+        dcp.load(wanted, checkpoint_id=Path(directory) / DCP_DIR)
+    except Exception as err:  # a key the checkpoint lacks (an EMA that was not saved) or a shape that differs
+        raise CheckpointError(
+            f"{directory}: the sharded state does not fit this model ({type(err).__name__}: {err})"
+        ) from None
+
+
+def sharded_digest(directory: str | Path) -> str:
+    """A SHA-256 over the checksums of a sharded checkpoint's DCP files (from its manifests, which
+    :func:`verify` checked): equal digests, the same shards."""
+    d = Path(directory)
+    h = hashlib.sha256()
+    world = _manifest(d / "manifest.rank0.json")["world_size"]
+    for rank in range(world):
+        for name, meta in sorted(_manifest(d / f"manifest.rank{rank}.json")["files"].items()):
+            if name.startswith(f"{DCP_DIR}/"):
+                h.update(f"{name}:{meta['sha256']}".encode())
+    return h.hexdigest()
+
+
+def export(directory: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write a single-file ``state.pt`` for inference from a checkpoint (sharded or not): the whole
+    model's weights (``model``), the EMA's when there are any (``ema``) and the counters, keyed
+    as the plain model's ``state_dict``. Verifies the checkpoint first; returns what it wrote."""
+    d = Path(directory)
+    verify(d)
+    shared = read_file(d, STATE)
+    if is_sharded(d):
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(d / DCP_DIR, Path(tmp) / "full.pt")
+            full = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
+        shared = {**shared, **full}
+    result = {"model": shared["model"], "ema": shared.get("ema"), "counters": shared.get("counters", {})}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save(result, f))
+    return result

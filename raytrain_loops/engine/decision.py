@@ -40,13 +40,15 @@ class Reduced:
     norms: tuple[float, ...] = ()
 
     @classmethod
-    def from_sums(cls, sums: list[float], *, mean: bool, world: int) -> Reduced:
+    def from_sums(cls, sums: list[float], *, mean: bool, world: int, sharded: bool = False) -> Reduced:
         """From ``[sample_size, loss_sum, terms, ooms, grad_norm^2, per-worker norm^2...]`` summed
-        over workers (DDP having averaged the gradients)."""
+        over workers (DDP or FSDP having averaged the gradients). ``sharded``: each worker's
+        ``grad_norm^2`` is that of its own shard, so their sum is the whole gradient's; under DDP
+        every worker holds the whole gradient, and the sum is ``world`` times it."""
         sample_size, loss_sum, terms, ooms, norm_sq = sums[:5]
         # sum mode wants the gradients summed over workers and divided by the total sample size.
         factor = 1.0 if mean else (world / sample_size if sample_size > 0 else 0.0)
-        grad_norm = math.sqrt(norm_sq / world) * factor if math.isfinite(norm_sq) else math.inf
+        grad_norm = math.sqrt(norm_sq / (1 if sharded else world)) * factor if math.isfinite(norm_sq) else math.inf
         weight = terms if mean else sample_size
         loss = loss_sum / weight if weight > 0 else math.nan
         norms = tuple(math.sqrt(v) for v in sums[5:])

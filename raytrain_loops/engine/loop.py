@@ -25,6 +25,7 @@ import torch
 
 from raytrain_loops.config.engine import AccumConfig, SpikeConfig
 from raytrain_loops.config.run import Config
+from raytrain_loops.engine import sharding
 from raytrain_loops.engine.guards import SpikeDetector
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters
@@ -219,13 +220,18 @@ def evaluate(
     meters = Meters()
     for _, m in models:
         m.eval()
+    paired: Iterable[tuple[Any, bool]] = ((b, True) for b in batches)
+    padding: dict[str, dict[str, Any]] = {}  # the metrics zero-weight batches update, never computed
+    if engine.sharded and engine.world_size > 1:
+        paired = sharding.lockstep(batches)
+        padding = {prefix: _fresh_metrics(metrics_fn, engine.device) for prefix, _ in models}
     with torch.no_grad(), autocast(engine.config.precision, engine.device):
-        for batch in batches:
+        for batch, real in paired:
             batch = to_device(batch, engine.device)
             for prefix, m in models:
-                mets = split_metrics[prefix]
+                mets = split_metrics[prefix] if real else padding[prefix]
                 out = evaluate_fn(m, batch, metrics=mets) if mets else evaluate_fn(m, batch)
-                for name, (value, count) in out.items():
+                for name, (value, count) in out.items() if real else ():
                     meters.add(f"eval_{prefix}{name}", value, count)
     engine.model.train()
     results = meters.reduce()

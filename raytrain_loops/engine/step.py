@@ -3,9 +3,12 @@
 Per step, on every worker (docs/architecture.md places it among the layers):
 
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
-   the last one (``no_sync`` on the others);
+   the last one (``no_sync`` on the others), and so does FSDP (its reduce-scatter; every worker
+   runs every micro-batch's forward, a zero-weight one when it has no data, since FSDP gathers
+   the parameters in each forward);
 2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
-   followed (``grad_sync.check``) by one slot per worker for its own squared gradient norm and
+   each worker's part of the squared norm of its shard under FSDP,
+   followed (``grad_sync.check``, DDP only) by one slot per worker for its own squared gradient norm and
    by the criterion's ``stats``, and one host read of it: every decision below is taken from the
    reduced values, so every worker takes the same one. A task that declares counts adds one
    small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
-from raytrain_loops.engine import dist
+from raytrain_loops.engine import dist, sharding
 from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
@@ -210,8 +213,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
 class Engine:
     """The per-worker training state and its step. Imports no Ray.
 
-    ``model`` may be wrapped in ``DistributedDataParallel`` (required when more than one worker
-    runs). ``total_steps`` is the run's length in optimizer steps, for the schedules;
+    ``model`` may be wrapped in ``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard``
+    (one of them is required when more than one worker runs). ``ema_module``: the EMA's copy of
+    the model, prepared the same way, for a sharded model (which cannot be deep-copied).
+    ``total_steps`` is the run's length in optimizer steps, for the schedules;
     ``total_epochs`` the epochs it spans (:func:`~raytrain_loops.engine.length.epochs_in_run`),
     required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
     """
@@ -228,6 +233,7 @@ class Engine:
         counts: Callable[[Any], dict[str, float]] | None = None,
         count_keys: Sequence[str] = (),
         after_step: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None,
+        ema_module: nn.Module | None = None,
     ):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine takes an EngineConfig (a run config's .engine), not {type(config).__name__}")
@@ -241,20 +247,29 @@ class Engine:
             raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
         self.world_size = dist.world_size()
         self._ddp = hasattr(model, "no_sync")
-        if self.world_size > 1 and not self._ddp:
+        self.sharded = sharding.is_sharded(model)
+        if self.world_size > 1 and not (self._ddp or self.sharded):
             raise ValueError(
-                f"{self.world_size} workers are running but the model is not wrapped in DistributedDataParallel"
+                f"{self.world_size} workers are running but the model is neither wrapped in "
+                "DistributedDataParallel nor sharded by fully_shard"
             )
-        self.device = next(self.module.parameters()).device
+        self.device = sharding.local(next(self.module.parameters())).device
         self._cdev = dist.collective_device()
-        self._check_sync = config.grad_sync.check and self.world_size > 1
+        # Under FSDP each worker holds its own shard of the gradients, whose norms differ by
+        # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
+        self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
         self._mean = config.loss.reduction == "mean"
         groups = param_groups(self.module, config.optim, task_param_groups)
         self.optimizer = build_optimizer(groups, config.optim)
         self.scaler = grad_scaler(config.precision, self.device)
         if self.scaler.is_enabled():
             self.scaler.scale(torch.ones((), device=self.device))  # creates the scale: a first step may have no data
-        self.ema = EMA(self.module, config.ema.copy_buffers) if config.ema.enabled else None
+        if config.ema.enabled and self.sharded and ema_module is None:
+            raise ValueError(
+                "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
+                "(FSDP modules cannot be deep-copied)"
+            )
+        self.ema = EMA(self.module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         pattern = re.compile(config.freeze.last_layer_pattern)
         self._frozen = [p for n, p in self.module.named_parameters() if pattern.search(n)]
@@ -298,7 +313,7 @@ class Engine:
         local = self._forward_backward(micro_batches, ctx)
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [sharding.local(p.grad) for p in self._params if p.grad is not None]
         reduced, stats = self._reduce(local, grads)
         if stats and self._after_step is None:
             raise ValueError(
@@ -351,6 +366,13 @@ class Engine:
             except Exception as err:
                 if not is_oom(err):
                     raise
+                if self.sharded and self.world_size > 1:
+                    raise GroupBrokenError(
+                        f"out of memory in forward/backward on worker {dist.rank()} at step {self.step} under FSDP: "
+                        "the other workers are inside the parameter all-gathers and gradient reduce-scatters of "
+                        "this micro-batch, which this one cannot rejoin in order; the group restarts from the last "
+                        "checkpoint. If this repeats, lower the micro-batch size"
+                    ) from err
                 if backward and last and self._ddp and self.world_size > 1:
                     raise GroupBrokenError(
                         f"out of memory in the backward pass of the synchronising micro-batch on worker "
@@ -421,7 +443,8 @@ class Engine:
             n = local.stats[k].numel()
             stats[k] = packed[at : at + n].to(self.device)
             at += n
-        return Reduced.from_sums(packed[:head].tolist(), mean=self._mean, world=self.world_size), stats
+        sums = packed[:head].tolist()
+        return Reduced.from_sums(sums, mean=self._mean, world=self.world_size, sharded=self.sharded), stats
 
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
@@ -442,21 +465,27 @@ class Engine:
     # ------------------------------------------------------------------ pieces of the step
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if self.sharded:
+            # FSDP2's counterpart of no_sync: gradients stay unsharded and accumulate until the
+            # last micro-batch's backward reduce-scatters their sum.
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         if self._ddp and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
     def _join_with_dummy(self, ctx: StepContext, last: bool, local: _Local | None = None) -> None:
         """Run a zero-weight forward/backward so DDP's all-reduce on the last micro-batch still
-        gets this worker's (zero) contribution; off the last micro-batch nothing is needed."""
-        if not (last and self._ddp and self.world_size > 1):
+        gets this worker's (zero) contribution; off the last micro-batch nothing is needed. Under
+        FSDP every micro-batch needs it: each forward gathers the parameters from all workers."""
+        if self.world_size == 1 or not (self.sharded or (last and self._ddp)):
             return
         if self._dummy is None:
             raise TrainingError(
                 "a worker has no batch to join the gradient all-reduce with: its first micro-batch "
                 "failed or it had no data at all; check data.batch_size against the rows per worker"
             )
-        with self._sync(True), autocast(self.config.precision, self.device):
+        with self._sync(last), autocast(self.config.precision, self.device):
             out = self.loss_fn(self.model, self._dummy, ctx)
         (out.loss * 0.0).backward()
         if local is not None:
@@ -504,6 +533,10 @@ class Engine:
             torch._foreach_mul_(grads, factor)
         if clip.mode == "per_param" and grads:
             norms = torch._foreach_norm(grads)
+            if self.sharded and self.world_size > 1:
+                # A parameter's norm spans every worker's shard: one all-reduce of the squares.
+                squares = torch.stack(norms).double().square().to(self._cdev)
+                norms = list(dist.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
 
@@ -569,7 +602,9 @@ class Engine:
         terms' means over all workers' micro-batches (one collective)."""
         where = None
         bad = [i for i, loss in local.losses if not bool(torch.isfinite(loss))]
-        if bad:
+        if self.sharded and self.world_size > 1:
+            where = self._nonfinite_module_sharded(bad, micro_batches, ctx)
+        elif bad:
             batch = to_device(micro_batches[bad[0]], self.device)
             ctx.micro_index = bad[0]
 
@@ -584,7 +619,7 @@ class Engine:
         reports = dist.all_gather_object((where, terms, len(local.losses)))
         first = next((r for r, _, _ in reports if r), None)
         if first is None:
-            param = first_nonfinite_grad(self.module)
+            param = self._first_nonfinite_grad()
             first = f"the gradient of parameter '{param}'" if param else "an unknown place"
         message = f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
         n = sum(count for _, _, count in reports)
@@ -595,6 +630,37 @@ class Engine:
                 f"{k}={v:.6g}" for k, v in means.items()
             )
         return message
+
+    def _nonfinite_module_sharded(self, bad: list[int], micro_batches: Sequence[Any], ctx: StepContext) -> str | None:
+        """Under FSDP a forward gathers parameters from every worker, so all of them rerun the
+        same micro-batch index (the first worker's first bad one; their own batch, or the zero
+        weight one) and the workers whose loss there was non-finite name the module."""
+        firsts = dist.all_gather_object(bad[0] if bad else None)
+        index = next((i for i in firsts if i is not None), None)
+        if index is None:
+            return None
+        batch = micro_batches[index] if micro_batches[index] is not None else self._dummy
+        batch = to_device(batch, self.device)
+        ctx.micro_index = index
+
+        def rerun():
+            with autocast(self.config.precision, self.device):
+                return self.loss_fn(self.module, batch, ctx).loss
+
+        module = first_nonfinite_module(self.module, rerun)
+        if index not in bad:
+            return None
+        where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
+        return where + f" on worker {dist.rank()}, micro-batch {index}"
+
+    def _first_nonfinite_grad(self) -> str | None:
+        """The first parameter (in the model's order) with a non-finite gradient; under FSDP the
+        first over all workers' shards."""
+        if not (self.sharded and self.world_size > 1):
+            return first_nonfinite_grad(self.module)
+        names = [n for n, _ in self.module.named_parameters()]
+        found = [n for n in dist.all_gather_object(first_nonfinite_grad(self.module)) if n is not None]
+        return min(found, key=names.index) if found else None
 
     def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
         m = self.meters
@@ -645,10 +711,15 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-for-bit: weights, optimizer, scaler, EMA, counters and
-        this worker's RNG states. Safe for ``torch.load(weights_only=True)``."""
+        this worker's RNG states. Safe for ``torch.load(weights_only=True)``.
+
+        Under FSDP ``model``, ``optimizer`` and ``ema`` hold this worker's shards (DTensors, the
+        optimizer's state keyed by parameter name), for ``torch.distributed.checkpoint``, and
+        ``layout`` is ``"sharded"``."""
+        model, optimizer = self._model_optimizer_state()
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "ema": self.ema.state_dict() if self.ema else None,
             "counters": {
@@ -660,12 +731,39 @@ class Engine:
             "callbacks": dict(self.callback_state),
             "meters": self.meters.state_dict(),
             "rng": rng_state(),
+            **({"layout": "sharded"} if self.sharded else {}),
         }
 
+    def _model_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not self.sharded:
+            return self.module.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.module, self.optimizer)
+
+    def sharded_targets(self) -> dict[str, Any]:
+        """What a sharded checkpoint is loaded into (``torch.distributed.checkpoint.load`` fills it
+        in place, resharding to this group's size): the model's and optimizer's state keyed by
+        parameter name, and the EMA's, as this engine holds them (shards, or whole tensors when
+        the model is not sharded). Hand the filled dict to :meth:`load_state_dict` with the rest
+        of the state and ``layout="sharded"``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "ema": self.ema.state_dict() if self.ema else None}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` captured."""
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore what :meth:`state_dict` captured (a sharded layout through
+        :meth:`sharded_targets`)."""
+        if state.get("layout") == "sharded":
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(
+                self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler.is_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:

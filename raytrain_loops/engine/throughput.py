@@ -153,6 +153,14 @@ class Throughput(Callback):
         if batch is None:
             return  # this worker has no data now: count on a later step
         self._measured = True
+        if getattr(self.engine, "sharded", False):
+            # A copy of a sharded model would run FSDP's collectives on this worker's own schedule.
+            warnings.warn(
+                "FLOPs per sample are not counted for a sharded model (scaling.strategy=fsdp): throughput is "
+                "reported without FLOP/s and MFU",
+                stacklevel=2,
+            )
+            return
         state = rng_state()
         try:
             self.flops_per_sample = self._count(to_device(batch, self.device))

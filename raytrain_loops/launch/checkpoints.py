@@ -63,9 +63,12 @@ class RayReporter:
                 "node_id": ray.get_runtime_context().get_node_id(),  # where this worker ran
             }
             files = {ckpt_files.rank_file(self.rank): mine}
-            if self.rank == 0:
-                files[ckpt_files.STATE] = state
-            ckpt_files.write_files(tmp, self.rank, files, self.world)
+            if self.engine.sharded:
+                ckpt_files.write_sharded(tmp, self.rank, files, state, self.world)
+            else:
+                if self.rank == 0:
+                    files[ckpt_files.STATE] = state
+                ckpt_files.write_files(tmp, self.rank, files, self.world)
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
@@ -145,11 +148,18 @@ class RayReporter:
             shared = ckpt_files.read_file(d, ckpt_files.STATE)
             # A group of another size (an elastic resize) takes rank 0's position, rescaled.
             mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank if world == self.world else 0))
+            if ckpt_files.is_sharded(d):
+                # Every worker reads the parts of the shards it holds now (any group size).
+                targets = self.engine.sharded_targets()
+                ckpt_files.read_sharded(d, targets)
+                shared, digest = {**shared, **targets}, ckpt_files.sharded_digest(d)
+            else:
+                digest = ckpt_files.digest(shared["model"])
         state = {**shared, "rng": mine["rng"]} if world == self.world else shared
         self.engine.load_state_dict(state)
         self.loaded = {
             "checkpoint": checkpoint.path,
-            "model_sha256": ckpt_files.digest(shared["model"]),
+            "model_sha256": digest,
             "world_size": world,
             "skipped": skipped,
         }

@@ -9,6 +9,7 @@ the profiler. See docs/architecture.md for the whole path.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import ray.train.torch
 import torch
 
 from raytrain_loops.config import Config
-from raytrain_loops.engine import Engine, dist
+from raytrain_loops.engine import Engine, dist, sharding, unwrap
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
@@ -61,6 +62,26 @@ def _set_threads(config: Config) -> None:
     torch.set_num_threads(threads)
 
 
+def _prepare_model(
+    module: torch.nn.Module, task: Task, config: Config
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Checkpointing and compilation of the task's blocks, then DDP (Ray's ``prepare_model``) or
+    FSDP2 sharding on this worker's device; with FSDP and an EMA, the EMA's copy sharded alike
+    (an FSDP module cannot be deep-copied, so the copy is taken first)."""
+    blocks = task.blocks(module)
+    ema = copy.deepcopy(module) if config.scaling.strategy == "fsdp" and config.ema.enabled else None
+    sharding.prepare_model(module, blocks, checkpointing=config.checkpointing, compile_cfg=config.compile)
+    if config.scaling.strategy == "ddp":
+        return ray.train.torch.prepare_model(module), None  # on GPUs, after it this worker's device is set
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype, reshard = config.precision.dtype, config.scaling.reshard_after_forward
+    for m in (module, ema) if ema is not None else (module,):
+        sharding.shard(m.to(device), task.blocks(m), device, dtype, reshard)
+    return module, ema
+
+
 def _any_worker(flag: bool) -> bool:
     votes = torch.tensor([float(flag)], device=dist.collective_device())
     return dist.all_reduce_sum(votes).item() > 0
@@ -74,9 +95,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
-    module = task.build_model()
-    groups = task.param_groups(module) if config.optim.param_groups == "task" else None
-    model = ray.train.torch.prepare_model(module)  # on GPUs, after it this worker's device is set
+    model, ema_module = _prepare_model(task.build_model(), task, config)
+    # After sharding: fully_shard replaces the parameters, and the groups must hold the new ones.
+    groups = task.param_groups(unwrap(model)) if config.optim.param_groups == "task" else None
     # A worker of an earlier attempt stopped: a retry would meet it again. Decided together (a
     # store whose listing lags could show the stop to some workers only).
     stopped = payload.stops.posted()
@@ -98,6 +119,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         counts=task.counts if task.count_keys else None,
         count_keys=task.count_keys,
         after_step=task.after_step,
+        ema_module=ema_module,
     )
     reporter = RayReporter(engine, rank, world, run_dir)
     position = reporter.restore(payload.init_checkpoint) or Position()

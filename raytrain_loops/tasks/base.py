@@ -87,6 +87,13 @@ class Task:
         """Parameter groups for ``optim.param_groups=task`` (the first is the regularised one)."""
         return None
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's repeated parts (Transformer blocks), each of them a unit of its own for
+        ``scaling.strategy=fsdp`` (sharded and gathered one at a time), ``compile`` (compiled
+        regionally) and ``checkpointing``. Empty: the whole model is one unit (FSDP shards only
+        the root; compile and checkpointing then have nothing to act on)."""
+        return []
+
     count_keys: tuple[str, ...] = ()
     """The names of :meth:`counts`; empty: the task counts nothing and the step runs no extra
     all-reduce."""

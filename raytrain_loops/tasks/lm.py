@@ -266,6 +266,9 @@ class LMTask(Task):
             model.compile(dynamic=True)  # in place: parameter names stay those of the plain model
         return model
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
     def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Rows of packed sequences -> right-padded ``(inputs, targets, target token count)``:
         inputs are BOS then the bytes shifted by one, targets the bytes (``IGNORE`` on padding)."""

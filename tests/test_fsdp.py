@@ -1,0 +1,360 @@
+"""FSDP2 (``scaling.strategy=fsdp``) against DDP on real gloo process groups: the same updates,
+with accumulation, sum normalisation, global clipping, an EMA and bf16; sharded checkpoints
+saved on two workers and loaded on one; activation checkpointing and regional compilation that
+leave names and losses as they were."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.sharding import shard
+from tests import fakes
+from tests.gloo import run_gloo
+
+STEPS = 4
+# Two micro-batches per update of uneven sizes, different on each worker: sum normalisation must
+# divide by the global sample count, not by a per-worker one.
+SIZES = {0: [3, 7], 1: [6, 4]}
+TRAIN = [
+    "optim.name=adamw",
+    "optim.param_groups=decay_split",
+    "schedules.lr.value=0.05",
+    "schedules.weight_decay.value=0.1",
+    "loss.reduction=sum",
+    "accum.steps=2",
+    "clip.mode=global",
+    "clip.max_norm=0.5",  # below the gradients' norm: clipping acts on every step
+    "ema.enabled=true",
+    "schedules.ema_momentum.value=0.5",
+]
+
+
+def _blocks(model):
+    return [model.encoder, model.head]
+
+
+def _full(state: dict) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def _engine(strategy: str, overrides: list[str], dtype: str = "fp32") -> Engine:
+    """The tiny model under DDP or FSDP (blocks: encoder and head, then the root)."""
+    config = fakes.config(*TRAIN, f"precision.dtype={dtype}", *overrides).engine
+    model = fakes.make_model(d_hidden=32)
+    ema = None
+    if strategy == "fsdp":
+        ema = copy.deepcopy(model)
+        shard(model, _blocks(model), torch.device("cpu"), dtype)
+        shard(ema, _blocks(ema), torch.device("cpu"), dtype)
+    else:
+        model = DDP(model)
+    return Engine(model, fakes.sum_loss, config, total_steps=STEPS, ema_module=ema)
+
+
+def _batches(rank: int, step: int):
+    x, y = fakes.regression_data(n=40, seed=100 + 10 * step + rank)
+    return fakes.split(x, y, SIZES[rank])
+
+
+def _train(rank: int, world: int, strategy: str, dtype: str, overrides: list[str]):
+    engine = _engine(strategy, overrides, dtype)
+    norms = []
+    for step in range(STEPS):
+        result = engine.train_step(_batches(rank, step))
+        assert result.applied, result.skipped
+        norms.append(result.grad_norm)
+    return {
+        "model": _full(engine.module.state_dict()),
+        "ema": _full(engine.ema.state_dict()),
+        "norms": norms,
+        "names": [n for n, _ in engine.module.named_parameters()],
+    }
+
+
+def _both(rank: int, world: int, dtype: str, overrides: list[str]):
+    return {s: _train(rank, world, s, dtype, overrides) for s in ("ddp", "fsdp")}
+
+
+def _run(dtype: str = "fp32", overrides: list[str] | None = None):
+    """DDP's and FSDP's results on each of 2 workers (one process group for both: fewer spawns)."""
+    outcomes = run_gloo(2, _both, dtype, overrides or [], timeout=300)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    values = [o.value for o in outcomes]
+    return [v["ddp"] for v in values], [v["fsdp"] for v in values]
+
+
+# fp32: the same sums in another order (reduce-scatter of shards against an all-reduce), a few
+# float32 ulps after 4 AdamW steps. bf16: FSDP gathers the parameters in bf16 where autocast
+# under DDP rounds them per op (norm weights stay fp32 under autocast): differences of bf16's
+# resolution (2^-8 relative) on the gradients, damped by Adam's normalisation.
+TOLERANCE = {"fp32": dict(atol=2e-6, rtol=1e-5), "bf16": dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp_and_ddp_give_the_same_updates_with_accumulation_sum_clipping_and_ema(dtype):
+    ddp, fsdp = _run(dtype)
+    start = fakes.params(fakes.make_model(d_hidden=32))
+    assert fsdp[0]["names"] == ddp[0]["names"] == list(start), "names are those of the plain model"
+    moved = max((ddp[0]["model"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 0.05, "the updates must move the weights"
+    tol = TOLERANCE[dtype]
+    worst = max((fsdp[1]["model"][k] - ddp[0]["model"][k]).abs().max().item() for k in start)
+    print(f"{dtype}: largest |fsdp - ddp| after {STEPS} steps: {worst:.3g}")
+    for rank in (0, 1):
+        for name in start:
+            torch.testing.assert_close(fsdp[rank]["model"][name], ddp[0]["model"][name], **tol, msg=name)
+            torch.testing.assert_close(fsdp[rank]["ema"][name], ddp[0]["ema"][name], **tol, msg=f"ema {name}")
+        # The clipping threshold is below every norm: a norm over one shard only would clip less.
+        torch.testing.assert_close(fsdp[rank]["norms"], ddp[0]["norms"], **tol)
+    assert min(ddp[0]["norms"]) > 0.5
+
+
+def test_fsdp_per_parameter_clipping_takes_each_parameters_whole_norm():
+    over = ["clip.mode=per_param", "clip.max_norm=0.05"]
+    ddp, fsdp = _run("fp32", over)
+    for name, ref in ddp[0]["model"].items():
+        torch.testing.assert_close(fsdp[1]["model"][name], ref, **TOLERANCE["fp32"], msg=name)
+
+
+class Gained(torch.nn.Module):
+    """TinyNet whose output adds ``(gain[1] - 1) * 1e38``: zero in the forward, but the gradient
+    of ``gain[1]`` overflows under any loss scale. Sharded over two workers, ``gain[1]`` lies in
+    worker 1's shard only: worker 0's own gradients are all finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = fakes.make_model(d_hidden=32)
+        self.gain = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.net(x) * self.gain[0] + (self.gain[1].float() - 1.0) * 1e38
+
+
+def _policies(rank: int, world: int):
+    out = {}
+    config = fakes.config("precision.dtype=fp16", "precision.init_scale=1024", "loss.reduction=sum").engine
+    model = shard(Gained(), [], torch.device("cpu"), "fp16")
+    engine = Engine(model, fakes.sum_loss, config, total_steps=2)
+    before = _full(model.state_dict())
+    result = engine.train_step(_batches(rank, 0))
+    out["overflow"] = (result.skipped, engine.scaler.get_scale(), engine.counts["overflow"])
+    out["unchanged"] = all(torch.equal(v, _full(model.state_dict())[k]) for k, v in before.items())
+
+    config = fakes.config("nonfinite.policy=stop", "loss.reduction=sum").engine
+    model = fakes.make_model(d_hidden=32)
+    engine = Engine(shard(model, _blocks(model), torch.device("cpu")), fakes.sum_loss, config, total_steps=2)
+    batches = _batches(rank, 0)
+    if rank == 1:
+        batches[1][0][0, 0] = float("nan")
+    try:
+        engine.train_step(batches)
+        out["nonfinite"] = "no error"
+    except Exception as err:
+        out["nonfinite"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_fsdp_fp16_overflow_in_one_workers_shard_backs_off_every_workers_scale_and_nan_stops_all():
+    outcomes = run_gloo(2, _policies, timeout=240)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    for o in outcomes:
+        # Worker 0's shard is finite: the scale backs off on it too (DTensor's unscale_ takes the
+        # max of found_inf over the shards), so the workers keep one scale.
+        assert o.value["overflow"] == ("overflow", 512.0, 1)
+        assert o.value["unchanged"]
+        assert o.value["nonfinite"].startswith("NonFiniteError: non-finite loss or gradient at step 0")
+        assert "module 'encoder' on worker 1, micro-batch 1" in o.value["nonfinite"]
+
+
+def _save_and_go_on(rank: int, world: int, directory: str):
+    """Two steps, a sharded checkpoint, two more steps: the weights at the checkpoint and after."""
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    engine = _engine("fsdp", [])
+    for step in range(2):
+        engine.train_step(_batches(rank, step))
+    at_checkpoint = _full(engine.module.state_dict())
+    state = engine.state_dict()
+    ckpt.write_sharded(directory, rank, {ckpt.rank_file(rank): {"rng": state.pop("rng")}}, state, world)
+    for step in range(2, 4):
+        engine.train_step(_batches(rank, step))
+    return {"at_checkpoint": at_checkpoint, "end": _full(engine.module.state_dict())}
+
+
+def _resume(rank: int, world: int, directory: str):
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    assert ckpt.verify(directory) == 2
+    engine = _engine("fsdp", [])
+    targets = engine.sharded_targets()
+    ckpt.read_sharded(directory, targets)
+    rng = ckpt.read_file(directory, ckpt.rank_file(rank))["rng"]
+    engine.load_state_dict({**ckpt.read_file(directory, ckpt.STATE), **targets, "rng": rng})
+    assert engine.step == 2
+    for step in range(2, 4):
+        engine.train_step(_batches(rank, step))
+    return _full(engine.module.state_dict())
+
+
+def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_path):
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    directory = str(tmp_path / "checkpoint_00000002")
+    first = run_gloo(2, _save_and_go_on, directory, timeout=240)
+    assert [o.error for o in first] == [None, None], first[0].message + first[1].message
+    manifests = [ckpt._manifest(tmp_path / "checkpoint_00000002" / f"manifest.rank{r}.json") for r in (0, 1)]
+    # Each worker wrote its own shards and lists them with checksums; rank 0 also the metadata.
+    assert {n for n in manifests[0]["files"] if n.startswith("dcp/")} == {"dcp/.metadata", "dcp/__0_0.distcp"}
+    assert {n for n in manifests[1]["files"] if n.startswith("dcp/")} == {"dcp/__1_0.distcp"}
+
+    again = run_gloo(2, _resume, directory, timeout=240)
+    assert [o.error for o in again] == [None, None], again[0].message + again[1].message
+    for rank in (0, 1):
+        for name, ref in first[rank].value["end"].items():
+            assert torch.equal(again[rank].value[name], ref), f"rank {rank}: {name} differs after the resume"
+
+    # One worker, no process group: the shards of two reassembled into whole tensors.
+    single = Engine(fakes.make_model(d_hidden=32), fakes.sum_loss, fakes.config(*TRAIN).engine, total_steps=STEPS)
+    targets = single.sharded_targets()
+    ckpt.read_sharded(directory, targets)
+    single.load_state_dict({**ckpt.read_file(directory, ckpt.STATE), **targets})
+    saved = first[0].value["at_checkpoint"]
+    for name, value in single.module.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert single.optimizer.state_dict()["state"][0]["step"] == 2  # Adam's moments came along
+    assert single.train_step(_batches(0, 2)).applied
+
+    # A single file for inference, keyed as the plain model.
+    exported = ckpt.export(directory, tmp_path / "state.pt")
+    plain = fakes.make_model(d_hidden=32)
+    plain.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])
+    assert all(torch.equal(v, saved[k]) for k, v in plain.state_dict().items())
+    assert exported["counters"]["step"] == 2 and set(exported["ema"]) == set(saved)
+
+
+@pytest.mark.ray
+def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and_exports(ray_session, tmp_path):
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from raytrain_loops import fit
+    from raytrain_loops.cli import main
+    from raytrain_loops.engine import checkpoint as ckpt
+    from raytrain_loops.recipes import resolve
+    from raytrain_loops.tasks.lm import LMTask
+
+    params = dict(dim=32, layers=2, heads=2, max_len=128, max_tokens=1024, val_percent=20.0)
+    params["source"] = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
+    overrides = [f"task.params.{k}={v}" for k, v in params.items()] + [
+        "scaling.strategy=fsdp",
+        "checkpointing=full",
+        "ema.enabled=true",
+        "loop.max_steps=6",
+        "checkpoint.every_steps=3",
+        "eval.every_steps=0",  # at the end of the run: 3 eval rows, 2 on one worker and 1 on the other
+        "schedules.lr.warmup_steps=0",
+        "logging.every_steps=3",
+        "run.name=fsdp",
+        "run.progress=false",
+        f"data.dir={tmp_path / 'data'}",
+        f"run.storage_path={tmp_path}",
+    ]
+    result = fit(resolve("lm"), overrides=overrides)
+    run_dir = Path(result.run_dir)
+    assert result.metrics["eval_bpb"] < 8.0 and "eval_ema_bpb" in result.metrics
+    final = run_dir / "checkpoint_00000006"
+    assert ckpt.verify(final) == 2 and ckpt.is_sharded(final)
+    assert {p.name for p in (final / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+    # The same run goes on with one worker: the two workers' shards resharded into one.
+    fit(resolve("lm"), overrides=[*overrides, "loop.max_steps=8", "scaling.num_workers=1"])
+    init = json.loads((run_dir / "init.json").read_text())
+    assert init["checkpoint"].endswith("checkpoint_00000006") and init["world_size"] == 2
+    assert ckpt.verify(run_dir / "checkpoint_00000008") == 1
+
+    assert main(["export", str(final), str(tmp_path / "state.pt")]) == 0
+    model = LMTask(**params).build_model()
+    model.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])  # strict: every key
+
+
+def _lm_model():
+    from raytrain_loops.tasks.lm import ByteTransformer
+
+    torch.manual_seed(0)
+    return ByteTransformer(dim=32, layers=2, heads=2)
+
+
+def _backward_ops(model, tokens) -> tuple[float, dict[str, float], dict[str, int]]:
+    """Loss, gradients, and the matmuls and GELUs run during the backward pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = {"mm": 0, "gelu": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm", "bmm"):
+                self.counts["mm"] += 1
+            if name == "gelu":
+                self.counts["gelu"] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = model(tokens).float().logsumexp(-1).mean()
+    with Count() as count:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, count.counts
+
+
+def test_activation_checkpointing_per_block_keeps_names_and_gradients_and_recomputes_what_it_says():
+    from raytrain_loops.engine.sharding import prepare_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _lm_model()
+    ref_loss, ref_grads, ref_ops = _backward_ops(plain, tokens)
+    ops = {}
+    for mode in ("full", "selective"):
+        model = _lm_model()
+        prepare_model(model, list(model.blocks), checkpointing=mode)
+        assert list(model.state_dict()) == list(plain.state_dict()), mode
+        loss, grads, ops[mode] = _backward_ops(model, tokens)
+        assert loss == ref_loss
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")
+    # Without checkpointing no GELU runs in backward; both modes recompute it in each block;
+    # only full recomputes the block's matmuls too (selective kept their outputs).
+    assert ref_ops["gelu"] == 0 and ops["full"]["gelu"] == ops["selective"]["gelu"] == 2
+    assert ops["selective"]["mm"] == ref_ops["mm"] < ops["full"]["mm"]
+
+
+def test_regional_compile_keeps_names_and_checkpoints_and_gives_the_same_loss():
+    from torch._dynamo.utils import counters
+
+    from raytrain_loops.config.engine import CompileConfig
+    from raytrain_loops.engine.sharding import prepare_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = _lm_model()
+    ref_loss, ref_grads, _ = _backward_ops(plain, tokens)
+    model = _lm_model()
+    counters.clear()
+    prepare_model(model, list(model.blocks), compile_cfg=CompileConfig(enabled=True))
+    loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] >= 1, "the blocks were not compiled"
+    assert type(model.blocks[0]).__name__ == "Block" and list(model.state_dict()) == list(plain.state_dict())
+    torch.testing.assert_close(loss.item(), ref_loss, atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="Task.blocks"):
+        prepare_model(_lm_model(), [], checkpointing="full")
