@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,3 +79,18 @@ class RootOfZero(nn.Module):
 
     def forward(self, x):
         return self.lin(x) * 0.0 + torch.sqrt(self.p - 1.0)
+
+
+@dataclass
+class RecordingReporter:
+    """The loop's reporter in tests: every report's metrics, and a copy of the engine's state at
+    each checkpoint (step -> (state, data position)), for resuming from it."""
+
+    engine: Any
+    reports: list[dict] = field(default_factory=list)
+    saved: dict[int, tuple[dict, Any]] = field(default_factory=dict)
+
+    def report(self, metrics, checkpoint):
+        self.reports.append({"metrics": dict(metrics), "checkpoint": checkpoint})
+        if checkpoint is not None:
+            self.saved[self.engine.step] = (copy.deepcopy(self.engine.state_dict()), checkpoint)

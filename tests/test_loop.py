@@ -6,9 +6,6 @@ resume that continues bit for bit, and equal report counts on workers with uneve
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,18 +49,6 @@ class FakeSource:
             yield self._batch(order[i] + 7 * epoch)
 
 
-@dataclass
-class RecordingReporter:
-    engine: Engine
-    reports: list[dict] = field(default_factory=list)
-    saved: dict[int, tuple[dict, Position]] = field(default_factory=dict)  # step -> (state, position)
-
-    def report(self, metrics, checkpoint):
-        self.reports.append({"metrics": dict(metrics), "checkpoint": checkpoint})
-        if checkpoint is not None:
-            self.saved[self.engine.step] = (copy.deepcopy(self.engine.state_dict()), checkpoint)
-
-
 class Counting(Callback):
     def __init__(self):
         self.calls: dict[str, int] = {"on_step": 0, "on_interval": 0, "on_eval": 0, "before_checkpoint": 0, "close": 0}
@@ -96,7 +81,7 @@ def _loop(*overrides, batches=7, available=None, model=None, state=None, callbac
     engine = Engine(model or fakes.make_model(), loss_fn, cfg.engine, total_steps=total)
     if state is not None:
         engine.load_state_dict(state)
-    reporter = RecordingReporter(engine)
+    reporter = fakes.RecordingReporter(engine)
     return Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks), source, reporter
 
 

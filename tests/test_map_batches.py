@@ -4,8 +4,6 @@ weights, bit for bit, on 1 and 2 workers, with and without DataLoader worker pro
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -43,15 +41,6 @@ def _evaluate(model, batch):
     return {"mse": (torch.nn.functional.mse_loss(model(x), y), len(x))}
 
 
-class _Reporter:
-    def __init__(self, engine: Engine):
-        self.engine, self.saved = engine, {}
-
-    def report(self, metrics, checkpoint):
-        if checkpoint is not None:
-            self.saved[self.engine.step] = (copy.deepcopy(self.engine.state_dict()), checkpoint)
-
-
 def _run(rank: int, world: int, loader_workers: int, state=None, position=Position()):
     cfg = load_config(
         None,
@@ -85,7 +74,7 @@ def _run(rank: int, world: int, loader_workers: int, state=None, position=Positi
     )
     if state is not None:
         engine.load_state_dict(state)
-    reporter = _Reporter(engine)
+    reporter = fakes.RecordingReporter(engine)
     Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate).run(position)
     return fakes.params(engine.module), seen, reporter.saved
 

@@ -13,7 +13,8 @@ from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
 from raytrain_loops.launch.profile import Profile
 from tests import fakes
-from tests.test_loop import FakeSource, RecordingReporter, _evaluate
+from tests.fakes import RecordingReporter
+from tests.test_loop import FakeSource, _evaluate
 
 
 def _run(run_dir: Path, *overrides: str, state=None) -> tuple[Profile, Engine]:

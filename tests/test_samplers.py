@@ -6,7 +6,6 @@ workers with the grouping sampler and a per-epoch poly learning rate."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import numpy as np
@@ -142,15 +141,6 @@ def test_a_bad_batch_sampler_is_refused_before_ray_starts_naming_the_task_and_sp
 RESUME_GROUPS = [i % 3 for i in range(60)]  # 3 groups of 20 rows: 6 batches of 3 each, 9 per worker
 
 
-class _Reporter:
-    def __init__(self, engine: Engine):
-        self.engine, self.saved = engine, {}
-
-    def report(self, metrics, checkpoint):
-        if checkpoint is not None:
-            self.saved[self.engine.step] = (copy.deepcopy(self.engine.state_dict()), checkpoint)
-
-
 def _grouped_run(rank: int, world: int, state=None, position=Position()):
     cfg = load_config(
         None,
@@ -187,7 +177,7 @@ def _grouped_run(rank: int, world: int, state=None, position=Position()):
     )
     if state is not None:
         engine.load_state_dict(state)
-    reporter = _Reporter(engine)
+    reporter = fakes.RecordingReporter(engine)
     Loop(engine, source, reporter, LoopSettings.of(cfg), lambda m, b: {}).run(position)
     return fakes.params(engine.module), seen, reporter.saved
 

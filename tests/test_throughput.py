@@ -16,8 +16,9 @@ from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
 from raytrain_loops.engine.throughput import Throughput, gpu_peak_tflops, peak_tflops
 from tests import fakes
+from tests.fakes import RecordingReporter
 from tests.gloo import run_gloo
-from tests.test_loop import BATCH, FakeSource, RecordingReporter, _evaluate
+from tests.test_loop import BATCH, FakeSource, _evaluate
 
 # TinyNet(6 -> 16 -> 3) per sample: forward 2 * (6 * 16 + 16 * 3) = 288 multiply-adds counted
 # twice; backward: the encoder's weight gradient (192; its input needs none), the head's weight
