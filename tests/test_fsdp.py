@@ -358,3 +358,19 @@ def test_regional_compile_keeps_names_and_checkpoints_and_gives_the_same_loss():
         torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="Task.blocks"):
         prepare_model(_lm_model(), [], checkpointing="full")
+
+
+def test_the_lm_gpt_recipe_is_gpt2_small_shaped_and_sharded_block_by_block():
+    from raytrain_loops.config import load_config
+    from raytrain_loops.recipes import builtin, describe
+    from raytrain_loops.tasks.base import build_task
+
+    config = load_config(builtin()["lm_gpt"])
+    assert "GPT-2-small" in describe(builtin()["lm_gpt"])
+    assert (config.scaling.strategy, config.scaling.use_gpu, config.precision.dtype) == ("fsdp", True, "bf16")
+    assert config.compile.enabled and config.loss.reduction == "sum"
+    task = build_task(config.task.name, config.task.params)
+    model = task.build_model()
+    blocks = task.blocks(model)
+    assert len(blocks) == 12 and blocks[0].attn.qkv.in_features == 768 and blocks[0].attn.heads == 12
+    assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6  # GPT-2 small less its 39M token table
