@@ -374,3 +374,29 @@ def test_the_lm_gpt_recipe_is_gpt2_small_shaped_and_sharded_block_by_block():
     blocks = task.blocks(model)
     assert len(blocks) == 12 and blocks[0].attn.qkv.in_features == 768 and blocks[0].attn.heads == 12
     assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6  # GPT-2 small less its 39M token table
+
+
+def _oom_on_rank0(rank: int, world: int):
+    model = fakes.make_model(d_hidden=32)
+    engine = Engine(
+        shard(model, _blocks(model), torch.device("cpu")), fakes.sum_loss, fakes.config().engine, total_steps=3
+    )
+
+    def loss_fn(m, batch, ctx):
+        if rank == 0 and engine.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return fakes.sum_loss(m, batch, ctx)
+
+    engine.loss_fn = loss_fn
+    for step in range(3):
+        engine.train_step(_batches(rank, step))
+
+
+def test_fsdp_oom_on_one_worker_ends_every_worker_as_a_retryable_failure():
+    outcomes = run_gloo(2, _oom_on_rank0, timeout=240)
+    # The other worker is inside this micro-batch's all-gathers: no zero-weight pass can rejoin
+    # them in order, so the group restarts from its checkpoint (not a TrainingError: Ray retries).
+    assert outcomes[0].error == "GroupBrokenError", outcomes[0].message
+    assert "under FSDP" in outcomes[0].message and "at step 1" in outcomes[0].message
+    assert outcomes[1].error is not None  # its collective fails: it does not wait on
+    assert max(o.seconds for o in outcomes) < 25
