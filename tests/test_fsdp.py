@@ -400,3 +400,25 @@ def test_fsdp_oom_on_one_worker_ends_every_worker_as_a_retryable_failure():
     assert "under FSDP" in outcomes[0].message and "at step 1" in outcomes[0].message
     assert outcomes[1].error is not None  # its collective fails: it does not wait on
     assert max(o.seconds for o in outcomes) < 25
+
+
+def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them(tmp_path, monkeypatch):
+    import yaml
+
+    from examples.custom_task import SpiralTask
+    from raytrain_loops import fit
+    from raytrain_loops.launch import fit as fit_module
+    from tests.test_rundir import RayWouldStart, _config, _started
+
+    def stop(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(fit_module, "ensure_ray", stop)
+    run = _started(tmp_path, _config(tmp_path))
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    for key in ("compile", "checkpointing"):  # how compute-only settings are absent from an older run's config
+        del old[key]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    # They change how blocks run, not the state a checkpoint holds: not refused.
+    with pytest.raises(RayWouldStart):
+        fit(_config(tmp_path, compile={"enabled": True}, scaling={"strategy": "fsdp"}), task=SpiralTask())
