@@ -421,4 +421,23 @@ def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them
     (run / "config.yaml").write_text(yaml.safe_dump(old))
     # They change how blocks run, not the state a checkpoint holds: not refused.
     with pytest.raises(RayWouldStart):
-        fit(_config(tmp_path, compile={"enabled": True}, scaling={"strategy": "fsdp"}), task=SpiralTask())
+        fit(_config(tmp_path, compile={"mode": "max-autotune"}, scaling={"strategy": "fsdp"}), task=SpiralTask())
+
+
+def test_compile_or_checkpointing_on_a_task_without_blocks_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    from examples.custom_task import CONFIG, SpiralTask
+    from raytrain_loops import ConfigError, fit
+    from raytrain_loops.launch import fit as fit_module
+
+    def ray_must_not_start(*args, **kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(fit_module, "ensure_ray", ray_must_not_start)
+    base = {**CONFIG, "run": {"storage_path": str(tmp_path)}}
+    for key, section in (
+        ("compile.enabled", {"compile": {"enabled": True}}),
+        ("checkpointing", {"checkpointing": "full"}),
+    ):
+        with pytest.raises(ConfigError, match="names none: override Task.blocks") as info:
+            fit({**base, **section}, task=SpiralTask())
+        assert info.value.key == key
