@@ -16,6 +16,14 @@ padding included, which is what the GPU computes); MFU is achieved FLOP/s over t
 dense bf16/fp16 peak from the table below (``--peak-tflops`` overrides it).
 
     python scripts/bench_gpu.py [--sizes small gpt] [--dtypes bf16 fp16] [--runs 3] [--compile]
+
+``--strategies ddp fsdp`` prints a second table instead: the ``lm_gpt`` recipe's model on every
+GPU of the machine (one process each, NCCL), wrapped in DDP or sharded by FSDP2, with regional
+compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak.
+``--device cpu`` runs that table's code on gloo CPU processes at the small size (a check of the
+code, no MFU).
+
+    python scripts/bench_gpu.py --strategies ddp fsdp [--compiles off on] [--steps 20]
 """
 
 from __future__ import annotations
@@ -131,7 +139,7 @@ def flops_per_step(task: LMTask, batches) -> float:
     return total / len(batches)
 
 
-def load_batches(task: LMTask, data_dir: Path) -> list:
+def load_batches(task: LMTask, data_dir: Path, device: str = "cuda") -> list:
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -141,7 +149,7 @@ def load_batches(task: LMTask, data_dir: Path) -> list:
     for tokens, lengths in zip(table["tokens"], table["lengths"], strict=True):
         row = {"tokens": np.array([tokens], dtype=object), "lengths": np.array([lengths], dtype=object)}
         inputs, targets, n = task.collate(row)
-        out.append((inputs.cuda(), targets.cuda(), n))
+        out.append((inputs.to(device), targets.to(device), n))
     return out
 
 
@@ -186,6 +194,118 @@ def measure(size: str, dtype: str, args, data_dir: Path, peak: float) -> dict:
     }
 
 
+def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    """One process of the strategy table: the recipe's model under DDP or FSDP on this rank's
+    device, ``spec["steps"]`` timed engine steps after a warm-up; rank 0 writes the result."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_loops.engine.sharding import prepare_model, shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = spec["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    cfg = load_config(
+        resolve("lm_gpt"),
+        [
+            f"precision.dtype={spec['dtype']}",
+            f"scaling.strategy={spec['strategy']}",
+            f"compile.enabled={spec['compile']}",
+        ],
+    )
+    task = LMTask(**SIZES[spec["size"]])
+    batches = load_batches(task, Path(spec["data_dir"]), str(device))[rank::world][: spec["batches"]]
+    torch.manual_seed(0)
+    model = task.build_model().to(device)
+    prepare_model(model, task.blocks(model), checkpointing=cfg.checkpointing, compile_cfg=cfg.compile)
+    if spec["strategy"] == "fsdp":
+        shard(model, task.blocks(model), device, spec["dtype"], cfg.scaling.reshard_after_forward)
+    else:
+        model = DDP(model, device_ids=[rank] if cuda else None)
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=10**6)
+
+    def run(start: int, steps: int) -> tuple[float, float]:
+        if cuda:
+            torch.cuda.synchronize()
+        t, tokens = time.perf_counter(), 0
+        for s in range(start, start + steps):
+            batch = batches[s % len(batches)]
+            engine.train_step([batch])
+            tokens += batch[2]
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, tokens
+
+    run(0, spec["warmup"])
+    seconds, tokens = run(spec["warmup"], spec["steps"])
+    totals = torch.tensor([tokens, seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)  # tokens of all workers; their seconds (each worker's wall time, averaged below)
+    if rank == 0:
+        result = {
+            "tok_s": totals[0].item() / (totals[1].item() / world),
+            "step_ms": totals[1].item() / world / spec["steps"] * 1e3,
+            "tokens": totals[0].item() / spec["steps"],
+            "params_m": sum(p.numel() for p in engine.module.parameters()) / 1e6,
+            "mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        }
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def strategy_table(args) -> None:
+    """Tokens/s and MFU of DDP and FSDP, compile off and on, on every GPU of the machine."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    cuda = args.device == "cuda"
+    world = torch.cuda.device_count() if cuda else 2
+    size = "gpt" if cuda else "small"
+    peak = peak_tflops(args.peak_tflops) if cuda else float("nan")
+    data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
+    task = LMTask(**SIZES[size])
+    task.prepare(data_dir)
+    flops_per_token = float("nan")
+    if cuda:
+        sample = load_batches(task, data_dir)[: args.batches]
+        flops_per_token = flops_per_step(task, sample) / (sum(b[2] for b in sample) / len(sample))
+    name = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
+    print(f"{world} x {name} (peak {peak:g} TFLOP/s dense bf16 each), torch {torch.__version__}, model {size}")
+    print(
+        f"{'strategy':>8} {'compile':>7} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>7}"
+    )
+    for strategy in args.strategies:
+        for compiled in args.compiles:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            out = Path(tempfile.mkdtemp(prefix="bench-gpu-")) / "result.json"
+            spec = dict(
+                device=args.device,
+                size=size,
+                dtype="bf16",
+                strategy=strategy,
+                compile=compiled == "on",
+                data_dir=str(data_dir),
+                batches=args.batches,
+                warmup=args.warmup,
+                steps=args.steps,
+            )
+            mp.spawn(_strategy_worker, args=(world, port, spec, str(out)), nprocs=world, join=True)
+            r = json.loads(out.read_text())
+            mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
+            print(
+                f"{strategy:>8} {compiled:>7} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} {r['step_ms']:>8.1f} "
+                f"{r['tok_s']:>10.0f} {mfu:>6.1%} {r['mem_gib']:>7.1f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["small", "gpt"], choices=sorted(SIZES))
@@ -201,7 +321,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print each runner's heaviest GPU ops first")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     ap.add_argument("--data-dir", default=None, help="where the LM Parquet goes (default: a temporary directory)")
+    ap.add_argument("--strategies", nargs="+", choices=["ddp", "fsdp"], help="the DDP/FSDP table on every GPU")
+    ap.add_argument("--compiles", nargs="+", default=["off", "on"], choices=["off", "on"], help="for --strategies")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo check of --strategies")
     args = ap.parse_args()
+    if args.strategies:
+        strategy_table(args)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -358,3 +358,86 @@ def test_regional_compile_keeps_names_and_checkpoints_and_gives_the_same_loss():
         torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     with pytest.raises(ValueError, match="Task.blocks"):
         prepare_model(_lm_model(), [], checkpointing="full")
+
+
+def test_the_lm_gpt_recipe_is_gpt2_small_shaped_and_sharded_block_by_block():
+    from raytrain_loops.config import load_config
+    from raytrain_loops.recipes import builtin, describe
+    from raytrain_loops.tasks.base import build_task
+
+    config = load_config(builtin()["lm_gpt"])
+    assert "GPT-2-small" in describe(builtin()["lm_gpt"])
+    assert (config.scaling.strategy, config.scaling.use_gpu, config.precision.dtype) == ("fsdp", True, "bf16")
+    assert config.compile.enabled and config.loss.reduction == "sum"
+    task = build_task(config.task.name, config.task.params)
+    model = task.build_model()
+    blocks = task.blocks(model)
+    assert len(blocks) == 12 and blocks[0].attn.qkv.in_features == 768 and blocks[0].attn.heads == 12
+    assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6  # GPT-2 small less its 39M token table
+
+
+def _oom_on_rank0(rank: int, world: int):
+    model = fakes.make_model(d_hidden=32)
+    engine = Engine(
+        shard(model, _blocks(model), torch.device("cpu")), fakes.sum_loss, fakes.config().engine, total_steps=3
+    )
+
+    def loss_fn(m, batch, ctx):
+        if rank == 0 and engine.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return fakes.sum_loss(m, batch, ctx)
+
+    engine.loss_fn = loss_fn
+    for step in range(3):
+        engine.train_step(_batches(rank, step))
+
+
+def test_fsdp_oom_on_one_worker_ends_every_worker_as_a_retryable_failure():
+    outcomes = run_gloo(2, _oom_on_rank0, timeout=240)
+    # The other worker is inside this micro-batch's all-gathers: no zero-weight pass can rejoin
+    # them in order, so the group restarts from its checkpoint (not a TrainingError: Ray retries).
+    assert outcomes[0].error == "GroupBrokenError", outcomes[0].message
+    assert "under FSDP" in outcomes[0].message and "at step 1" in outcomes[0].message
+    assert outcomes[1].error is not None  # its collective fails: it does not wait on
+    assert max(o.seconds for o in outcomes) < 25
+
+
+def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them(tmp_path, monkeypatch):
+    import yaml
+
+    from examples.custom_task import SpiralTask
+    from raytrain_loops import fit
+    from raytrain_loops.launch import fit as fit_module
+    from tests.test_rundir import RayWouldStart, _config, _started
+
+    def stop(*args, **kwargs):
+        raise RayWouldStart
+
+    monkeypatch.setattr(fit_module, "ensure_ray", stop)
+    run = _started(tmp_path, _config(tmp_path))
+    old = yaml.safe_load((run / "config.yaml").read_text())
+    for key in ("compile", "checkpointing"):  # how compute-only settings are absent from an older run's config
+        del old[key]
+    (run / "config.yaml").write_text(yaml.safe_dump(old))
+    # They change how blocks run, not the state a checkpoint holds: not refused.
+    with pytest.raises(RayWouldStart):
+        fit(_config(tmp_path, compile={"mode": "max-autotune"}, scaling={"strategy": "fsdp"}), task=SpiralTask())
+
+
+def test_compile_or_checkpointing_on_a_task_without_blocks_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    from examples.custom_task import CONFIG, SpiralTask
+    from raytrain_loops import ConfigError, fit
+    from raytrain_loops.launch import fit as fit_module
+
+    def ray_must_not_start(*args, **kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(fit_module, "ensure_ray", ray_must_not_start)
+    base = {**CONFIG, "run": {"storage_path": str(tmp_path)}}
+    for key, section in (
+        ("compile.enabled", {"compile": {"enabled": True}}),
+        ("checkpointing", {"checkpointing": "full"}),
+    ):
+        with pytest.raises(ConfigError, match="names none: override Task.blocks") as info:
+            fit({**base, **section}, task=SpiralTask())
+        assert info.value.key == key

@@ -1,5 +1,6 @@
-"""The engine on CUDA: the LM recipe's model through the loop under NCCL in bf16 and fp16, the
-fp16 loss scaler on a real overflow, and a bit-exact resume of the CUDA RNG.
+"""The engine on CUDA: the LM recipe's model through the loop under NCCL in bf16 and fp16 (DDP,
+FSDP, FSDP with regional compilation), the fp16 loss scaler on a real overflow, and a bit-exact
+resume of the CUDA RNG.
 
 Skipped where no GPU is present (the project's CI machines); run on a GPU machine with
 ``python -m pytest -m gpu``. The process-group tests run on every GPU of the machine (one
@@ -19,8 +20,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.config import load_config
+from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.engine import Decision, Engine, LossOutput
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
+from raytrain_loops.engine.sharding import prepare_model, shard
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import LMTask
 from tests import fakes
@@ -82,7 +85,7 @@ class Losses(Callback):
         self.steps.append((result.decision.value, result.loss))
 
 
-def _lm_under_nccl(rank: int, world: int, dtype: str, data_dir: str):
+def _lm_under_nccl(rank: int, world: int, dtype: str, data_dir: str, strategy: str = "ddp", compiled: bool = False):
     task = _lm_task()
     task.prepare(Path(data_dir))  # already written by the test: this reads the stats back
     train, evaluation = _rows(task, Path(data_dir), "train"), _rows(task, Path(data_dir), "eval")
@@ -91,7 +94,12 @@ def _lm_under_nccl(rank: int, world: int, dtype: str, data_dir: str):
         [f"precision.dtype={dtype}", f"loop.max_steps={STEPS}", "eval.every_steps=0", "logging.every_steps=10"],
     )
     torch.manual_seed(0)
-    model = DDP(task.build_model().cuda(), device_ids=[rank])
+    model = task.build_model().cuda()
+    prepare_model(model, task.blocks(model), compile_cfg=CompileConfig(enabled=compiled, dynamic=True))
+    if strategy == "fsdp":
+        shard(model, task.blocks(model), torch.device("cuda", rank), dtype)
+    else:
+        model = DDP(model, device_ids=[rank])
     engine = Engine(model, task.criterion, cfg.engine, total_steps=STEPS)
     source, reporter, losses = ListSource(train, evaluation, rank, world), Recorder(), Losses()
     Loop(engine, source, reporter, LoopSettings.of(cfg), task.evaluate, [losses]).run()
@@ -104,15 +112,22 @@ def _lm_under_nccl(rank: int, world: int, dtype: str, data_dir: str):
         "eval_bpb": final["eval_bpb"],
         "eval_unigram_bpb": final["eval_unigram_bpb"],
         "loss_scale": engine.scaler.get_scale() if engine.scaler.is_enabled() else None,
-        "weights": {k: v.float().cpu() for k, v in engine.module.state_dict().items()},
+        "weights": {k: _full(v).float().cpu() for k, v in engine.module.state_dict().items()},
     }
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize("strategy,compiled", [("ddp", False), ("fsdp", False), ("fsdp", True)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("world", sorted({1, torch.cuda.device_count()}))
-def test_the_lm_recipe_trains_on_gpus_under_nccl(tmp_path, dtype, world):
+def test_the_lm_recipe_trains_on_gpus_under_nccl(tmp_path, dtype, world, strategy, compiled):
     _lm_task().prepare(tmp_path)
-    outcomes = run_group("nccl", world, _lm_under_nccl, dtype, str(tmp_path), timeout=240)
+    outcomes = run_group("nccl", world, _lm_under_nccl, dtype, str(tmp_path), strategy, compiled, timeout=400)
     assert [o.error for o in outcomes] == [None] * world, [o.message for o in outcomes]
     first = outcomes[0].value
     assert first["device"] == "cuda:0" and first["collective_device"] == "cuda:0"
@@ -127,7 +142,7 @@ def test_the_lm_recipe_trains_on_gpus_under_nccl(tmp_path, dtype, world):
         assert first["loss_scale"] is not None and first["loss_scale"] >= 1.0
     assert np.mean(applied[-10:]) < 0.75 * np.mean(applied[:10])  # per-token loss falls
     assert first["eval_bpb"] < first["eval_unigram_bpb"]  # better than the byte frequencies alone
-    for other in outcomes[1:]:  # DDP keeps every GPU's weights equal
+    for other in outcomes[1:]:  # DDP keeps every GPU's weights equal (FSDP: the gathered ones)
         for name, w in first["weights"].items():
             assert torch.equal(w, other.value["weights"][name]), name
 

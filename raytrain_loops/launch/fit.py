@@ -76,9 +76,32 @@ def check_parquet(split_name: str, split: ParquetSplit) -> int:
     return ds.count_rows()
 
 
+def check_blocks(config: Config, task: Task) -> None:
+    """``compile`` and ``checkpointing`` act on the task's blocks: a task that names none is
+    refused here, naming the key, rather than on every worker. The model is built on the meta
+    device (no memory, no initialisation); a model that cannot be is left to the workers' check."""
+    wanted = "compile.enabled" if config.compile.enabled else "checkpointing" if config.checkpointing != "none" else ""
+    if not wanted:
+        return
+    import torch
+
+    try:
+        with torch.device("meta"):
+            blocks = task.blocks(task.build_model())
+    except Exception:  # a model built from data or files: the workers check it
+        return
+    if not blocks:
+        raise ConfigError(
+            wanted,
+            f"acts on the task's blocks, and task {config.task.name!r} names none: override Task.blocks(model) "
+            "to return the model's repeated parts (Transformer blocks)",
+        )
+
+
 def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
     """Build the task and check its data on the driver, before any Ray work starts."""
     task = task or build_task(config.task.name, config.task.params)
+    check_blocks(config, task)
     data_dir = Path(config.data.dir).expanduser().resolve()  # workers run in another directory
     task.prepare(data_dir)
     splits = task.splits(data_dir)

@@ -22,9 +22,11 @@ from raytrain_loops.launch import storage
 
 LOCK = "driver.lock"
 CHANGES = "config_changes.jsonl"
-# What a rerun may change: where and how the run executes, and how long it runs. Everything
-# else shapes the state in the checkpoints (model, optimizer, data, the step's settings).
-RESUMABLE_SECTIONS = ("scaling", "run", "logging")
+# What a rerun may change: where and how the run executes (compilation and activation
+# checkpointing included: they change how blocks compute, not the state a checkpoint holds), and
+# how long it runs. Everything else shapes the state in the checkpoints (model, optimizer, data,
+# the step's settings).
+RESUMABLE_SECTIONS = ("scaling", "run", "logging", "compile", "checkpointing")
 RESUMABLE_KEYS = ("loop.max_steps", "loop.epochs")
 
 
@@ -160,7 +162,7 @@ def check_config(run_dir: str, config: Config) -> dict[str, tuple[Any, Any]]:
     """Compare ``config`` with the ``config.yaml`` of a run directory that holds checkpoints.
 
     A change to what the checkpoints' state depends on (anything but ``scaling``, ``run``,
-    ``logging`` and the run's length) raises :class:`ConfigError` naming every such key, unless
+    ``logging``, ``compile``, ``checkpointing`` and the run's length) raises :class:`ConfigError` naming every such key, unless
     ``run.allow_config_change`` is true. Returns every change (all of them accepted by then);
     empty for a new run directory.
     """
