@@ -45,6 +45,8 @@ def test_median_smoothing_is_the_median_of_the_last_window_intervals():
     seen = [s.update({"loss": v})["loss"] for v in (5.0, 1.0, 9.0, 3.0, 7.0)]
     assert seen == [5.0, 3.0, 5.0, 3.0, 7.0]  # [5], [5 1], [5 1 9], [1 9 3], [9 3 7]
     assert [Smoother("median", window=1).update({"x": v})["x"] for v in (2.0, 6.0)] == [2.0, 6.0]
+    wide = Smoother("median", window=5)  # the window fills up before it slides
+    assert [wide.update({"x": v})["x"] for v in (1.0, 9.0, 8.0, 7.0, 2.0, 3.0)] == [1.0, 5.0, 8.0, 7.5, 7.0, 7.0]
 
 
 def test_the_smoothing_state_continues_after_a_file_round_trip_and_other_settings_start_afresh(tmp_path):

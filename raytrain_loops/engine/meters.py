@@ -158,7 +158,7 @@ class Smoother:
             v = float(v)
             series = self._series.get(name)
             if self.kind == "median":
-                kept = (series or [])[len(series or []) - self._kept + 1 :] if self._kept > 1 else []
+                kept = (series or [])[max(0, len(series or []) - self._kept + 1) :] if self._kept > 1 else []
                 self._series[name] = kept + [v]
             elif series is None:
                 self._series[name] = [self._weight * v, self._weight]
