@@ -87,6 +87,48 @@ def _any_worker(flag: bool) -> bool:
     return dist.all_reduce_sum(votes).item() > 0
 
 
+def _announce_start(reporter, engine: Engine, config: Config, world: int, scale: float, sender: Sender, run_dir: str):
+    """Rank 0: record what was restored (``init.json``) and tell the console of a resume or of a
+    group running short of workers."""
+    if reporter.loaded:
+        storage.write_text(storage.join(run_dir, "init.json"), json.dumps(reporter.loaded) + "\n")
+        if reporter.loaded.get("checkpoint"):
+            sender.send("start", f"resumed at step {engine.step} from {reporter.loaded['checkpoint']}")
+    if world != config.scaling.num_workers:
+        k = accum_steps(config.accum, engine.epoch, scale)
+        sender.send("start", f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update")
+
+
+def _callbacks(
+    payload: WorkerPayload, engine: Engine, faults: Faults, sender: Sender, rank: int, world: int, total: int
+):
+    """The loop callbacks of a Ray run: the run log, the spike guard, faults, throughput, the
+    profiler and, when tracked, MLflow."""
+    config, task = payload.config, payload.task
+    log = RunLog(
+        payload.run_dir,
+        rank,
+        total,
+        config.run.progress,
+        engine.step,
+        world,
+        config.logging.smoothing,
+        config.logging.every_steps,
+    )
+    log.sender = sender
+    counts = task.counts if task.count_keys else None
+    callbacks = [
+        log,
+        SpikeGuard(config.spike),
+        faults,
+        Throughput(config.logging.throughput, engine, task.criterion, counts),
+    ]
+    callbacks.append(Profile(config.logging.profile, payload.run_dir, rank, engine.device))
+    if payload.tracking is not None:
+        callbacks.append(MlflowLog(payload.tracking, rank))
+    return callbacks
+
+
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     config, task, run_dir = payload.config, payload.task, payload.run_dir
@@ -124,31 +166,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     reporter = RayReporter(engine, rank, world, run_dir)
     position = reporter.restore(payload.init_checkpoint) or Position()
     sender = payload.console or Sender(None)
-    if rank == 0 and reporter.loaded:
-        storage.write_text(storage.join(run_dir, "init.json"), json.dumps(reporter.loaded) + "\n")
-        if reporter.loaded.get("checkpoint"):
-            sender.send("start", f"resumed at step {engine.step} from {reporter.loaded['checkpoint']}")
-    if rank == 0 and world != config.scaling.num_workers:
-        k = accum_steps(config.accum, engine.epoch, scale)
-        sender.send("start", f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update")
-    log = RunLog(
-        run_dir,
-        rank,
-        total,
-        config.run.progress,
-        engine.step,
-        world,
-        config.logging.smoothing,
-        config.logging.every_steps,
-    )
-    log.sender = sender
-    callbacks = [log, SpikeGuard(config.spike), faults]
-    callbacks.append(
-        Throughput(config.logging.throughput, engine, task.criterion, task.counts if task.count_keys else None)
-    )
-    callbacks.append(Profile(config.logging.profile, run_dir, rank, engine.device))
-    if payload.tracking is not None:
-        callbacks.append(MlflowLog(payload.tracking, rank))
+    if rank == 0:
+        _announce_start(reporter, engine, config, world, scale, sender, run_dir)
+    callbacks = _callbacks(payload, engine, faults, sender, rank, world, total)
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
