@@ -210,6 +210,15 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
+    """The parameters ``freeze.last_layer_pattern`` matches; none is an error when freezing is on."""
+    pattern = re.compile(freeze.last_layer_pattern)
+    frozen = [p for n, p in module.named_parameters() if pattern.search(n)]
+    if freeze.last_layer_epochs > 0 and not frozen:
+        raise ValueError(f"freeze.last_layer_pattern={freeze.last_layer_pattern!r} matches no parameter of the model")
+    return frozen
+
+
 class Engine:
     """The per-worker training state and its step. Imports no Ray.
 
@@ -271,12 +280,7 @@ class Engine:
             )
         self.ema = EMA(self.module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        pattern = re.compile(config.freeze.last_layer_pattern)
-        self._frozen = [p for n, p in self.module.named_parameters() if pattern.search(n)]
-        if config.freeze.last_layer_epochs > 0 and not self._frozen:
-            raise ValueError(
-                f"freeze.last_layer_pattern={config.freeze.last_layer_pattern!r} matches no parameter of the model"
-            )
+        self._frozen = _frozen_params(self.module, config.freeze)
         if bool(counts) != bool(count_keys):
             raise ValueError("Engine: counts and count_keys go together (the keys fix the all-reduce's layout)")
         self._counts, self._count_keys = counts, tuple(count_keys)
