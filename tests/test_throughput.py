@@ -25,6 +25,7 @@ from tests.test_loop import BATCH, FakeSource, _evaluate
 # and input gradients (96 + 96). Norms and activations are not matrix products: not counted. The
 # criterion below runs the encoder twice: 2 * 96 forward and 192 backward more.
 TINY_FLOPS_PER_SAMPLE = 288 + 192 + 192 + 192 + 192
+TINY_MODEL_FLOPS_PER_SAMPLE = 288 + 192 + 192  # the model alone (fakes.sum_loss)
 
 
 def prod_loss(model, batch, ctx) -> LossOutput:
@@ -142,7 +143,7 @@ def test_a_count_that_fails_leaves_out_the_flop_metrics_with_a_warning_and_the_r
 
     def first_call_runs_out_of_memory(model, batch, ctx):
         calls["n"] += 1
-        if calls["n"] == 1:  # the count on the copy
+        if calls["n"] <= 2:  # the count on the meta copy, then on the real one
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
         return fakes.mean_loss(model, batch, ctx)
 
@@ -159,3 +160,74 @@ def test_a_count_that_fails_leaves_out_the_flop_metrics_with_a_warning_and_the_r
         Loop(engine, FakeSource(7), RecordingReporter(engine), LoopSettings.of(cfg), _evaluate, [cb]).run()
     assert engine.step == 4 and [sorted(k for k in m if "flops" in k or k == "mfu") for m in intervals] == [[], []]
     assert all(m["samples_per_s"] > 0 for m in intervals)
+
+
+def test_a_criterion_that_needs_values_is_counted_on_a_real_copy_after_the_meta_one_fails():
+    devices = []
+
+    def branches_on_a_value(model, batch, ctx):
+        devices.append(batch[0].device.type)
+        loss = prod_loss(model, batch, ctx)
+        return loss if loss.loss.item() > -1 else loss  # .item() has no value on meta
+
+    cfg = fakes.config()
+    engine = Engine(fakes.make_model(), branches_on_a_value, cfg.engine, total_steps=2)
+    cb = Throughput(cfg.logging.throughput, engine, branches_on_a_value)
+    cb.before_step(0, [fakes.regression_data(n=BATCH)])
+    assert devices == ["meta", "cpu"] and cb.flops_per_sample == TINY_FLOPS_PER_SAMPLE
+
+
+def test_the_count_includes_attention_and_skips_a_compiled_forward():
+    """The lm model's FLOPs per target token: 3 x the forward's matrix products (12 d^2 per block
+    and the 256-way head) and the attention's T x T scores (QK^T and AV, forward and the two-fold
+    backward). A CPU kernel of fused attention has no FLOP formula: a count on the live kernel
+    would leave attention out. The copy drops ``nn.Module.compile``'s forward, which is bound to
+    the original module (its backward would reach the live gradients)."""
+    from raytrain_loops.engine.throughput import plain_copy
+    from raytrain_loops.tasks.lm import LMTask
+
+    b, t, d, layers = 2, 16, 32, 2
+    task = LMTask(dim=d, layers=layers, heads=4, max_len=t, max_tokens=64)
+    model = task.build_model()
+    model.blocks[0].compile()  # lazy: nothing is traced unless it runs
+    copied = plain_copy(model, "meta")
+    assert model.blocks[0]._compiled_call_impl is not None
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in copied.modules())
+    assert {p.device.type for p in copied.parameters()} == {"meta"}
+    cfg = fakes.config()
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=2)
+    cb = Throughput(cfg.logging.throughput, engine, task.criterion, plain=plain_copy(model, "meta"))
+    tokens = torch.randint(0, 256, (b, t))
+    cb.before_step(0, [(tokens, tokens, b * t)])
+    assert cb.flops_per_sample == 6 * (12 * d * d * layers + 256 * d) + 12 * t * d * layers
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _sharded(rank: int, world: int):
+    """The tiny model sharded by FSDP2 over 2 workers, counted on its plain structure."""
+    from raytrain_loops.engine.sharding import shard
+    from raytrain_loops.engine.throughput import plain_copy
+
+    cfg = fakes.config(
+        "schedules.lr.value=0.01", "logging.every_steps=2", "loop.max_steps=4", "logging.throughput.peak_tflops=0.001"
+    )
+    torch.manual_seed(0)
+    model = fakes.make_model(dropout=0.3)
+    plain = plain_copy(model, "meta")
+    shard(model, [model.encoder, model.head], torch.device("cpu"))
+    engine = Engine(model, fakes.sum_loss, cfg.engine, total_steps=4)
+    reporter = RecordingReporter(engine)
+    counted = Throughput(cfg.logging.throughput, engine, fakes.sum_loss, plain=plain)
+    Loop(engine, FakeSource(7), reporter, LoopSettings.of(cfg), _evaluate, [counted]).run()
+    return [r["metrics"] for r in reporter.reports]
+
+
+def test_a_sharded_model_is_counted_whole_and_gives_mfu():
+    outcomes = run_gloo(2, _sharded, timeout=180)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    first, second = (o.value for o in outcomes)
+    assert first == second
+    m = first[0]
+    assert m["flops_per_sample"] == TINY_MODEL_FLOPS_PER_SAMPLE  # the whole model's, not a shard's
+    assert m["gflops_per_s"] == pytest.approx(m["samples_per_s"] * TINY_MODEL_FLOPS_PER_SAMPLE / 1e9)
+    assert m["mfu"] == pytest.approx(m["gflops_per_s"] / 2 / 1e3 / 0.001)  # the mean over workers

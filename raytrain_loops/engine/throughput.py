@@ -1,16 +1,22 @@
 """Throughput, model FLOPs, MFU and peak memory per logging interval: a loop callback.
 
 FLOPs are counted once, before the first step that has data, by a forward and backward of the
-task's criterion on that step's first micro-batch, run on a copy of the model (and of its EMA,
-which a criterion may call) under ``torch.utils.flop_counter.FlopCounterMode``, with every RNG
-state saved before and restored after. Not on the live step: under any Python dispatch mode
-some of autograd's backward formulas take another branch (``prod``'s, for one, differs in the
-last bit), so the counted step would not be the step a run without the counter takes. The copy
-costs one more set of weights, gradients and one micro-batch's activations, once; on a GPU the
-peak-memory statistics are reset after it. A count that fails (no room for the copy, a model
-that cannot be deep-copied) only leaves the FLOP metrics out, with a warning. The counted
-criterion is the task's own, not the engine's wrapped one (an injected fault must not fire on
-the copy).
+task's criterion on that step's first micro-batch under
+``torch.utils.flop_counter.FlopCounterMode``. The count runs on a copy of the model as the task
+built it (before compilation, activation checkpointing and sharding: model FLOPs, not the
+recomputed ones, and a sharded model counted whole), never on the live step: under any Python
+dispatch mode some of autograd's backward formulas take another branch (``prod``'s, for one,
+differs in the last bit), so a counted step would not be the step a run without the counter takes.
+
+The copy is first made on the ``meta`` device, with the micro-batch moved there: shapes only, no
+memory, no random numbers drawn. A criterion that needs values (a matching solved on the host, a
+branch on a tensor) fails there; the count is then taken again on a real copy on the worker's
+device (one more set of weights, gradients and one micro-batch's activations, once; the GPU's
+peak-memory statistics are reset after it, every RNG state restored), unless the live model is
+sharded. A count that fails both ways only leaves the FLOP metrics out, with a warning. The
+counted criterion is the task's own, not the engine's wrapped one (an injected fault must not
+fire on the copy). Attention is counted as FLOP counters count a plain softmax(QK^T)V: forward
+and the two-fold backward over the whole T x T scores, whatever kernel the live step runs.
 
 Every number that needs all workers rides in the interval's one all-reduce (the engine's
 meters): each worker gives its own values under ``name/rank<r>``, and the totals (sums of rates,
@@ -28,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config.engine import ThroughputConfig
@@ -36,9 +43,9 @@ from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.precision import autocast
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, to_device
+from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, to_device, unwrap
 
-__all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops"]
+__all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops", "plain_copy"]
 
 GIB = float(1 << 30)
 # Every metric this callback adds (each also per worker, as ``<name>/rank<r>``).
@@ -103,6 +110,22 @@ def peak_tflops(override: float, device: torch.device) -> float | None:
     return gpu_peak_tflops(torch.cuda.get_device_name(device))
 
 
+def plain_copy(module: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """A deep copy of ``module`` without its compiled forwards (``nn.Module.compile`` binds them to
+    the original); on ``device="meta"`` its parameters and buffers are shape-only tensors and the
+    copy takes no memory. ``module`` must not be sharded (its parameters would be shards)."""
+    memo: dict[int, Any] = {}
+    if device is not None and torch.device(device).type == "meta":
+        for t in [*module.parameters(), *module.buffers()]:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    clone = copy.deepcopy(module, memo)
+    for m in clone.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    return clone
+
+
 def _peak_rss_gib() -> float:
     """This process's peak resident memory since it started (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -123,7 +146,9 @@ class Throughput(Callback):
       since it started): the largest over workers, and ``/rank<r>``.
 
     ``criterion`` is the task's; ``counts`` its ``Task.counts`` when it declares any (the copy's
-    context gets this micro-batch's counts as its totals).
+    context gets this micro-batch's counts as its totals). ``plain`` is the model as the task built
+    it, taken before compilation, checkpointing and sharding (any device; only its structure is
+    used); without it the live model is copied, which a sharded model cannot be.
     """
 
     def __init__(
@@ -132,9 +157,10 @@ class Throughput(Callback):
         engine: Engine,
         criterion: LossFn,
         counts: Callable[[Any], dict[str, float]] | None = None,
+        plain: nn.Module | None = None,
     ):
         self.enabled = cfg.enabled
-        self.engine, self.criterion, self.counts = engine, criterion, counts
+        self.engine, self.criterion, self.counts, self.plain = engine, criterion, counts, plain
         self.device = engine.device
         self.rank = dist.rank()
         self.gpu = self.device.type == "cuda"
@@ -153,38 +179,53 @@ class Throughput(Callback):
         if batch is None:
             return  # this worker has no data now: count on a later step
         self._measured = True
-        if getattr(self.engine, "sharded", False):
-            # A copy of a sharded model would run FSDP's collectives on this worker's own schedule.
+        sharded = getattr(self.engine, "sharded", False)
+        if sharded and self.plain is None:
             warnings.warn(
-                "FLOPs per sample are not counted for a sharded model (scaling.strategy=fsdp): throughput is "
-                "reported without FLOP/s and MFU",
+                "FLOPs per sample are not counted for a sharded model given without its plain structure "
+                "(Throughput(plain=...)): throughput is reported without FLOP/s and MFU",
                 stacklevel=2,
             )
             return
         state = rng_state()
+        error: BaseException | None = None
         try:
-            self.flops_per_sample = self._count(to_device(batch, self.device))
-        except Exception as err:  # an observer: the run goes on, without FLOP/s and MFU
-            why = "no room for a copy of the model" if is_oom(err) else f"{type(err).__name__}: {err}"
-            warnings.warn(
-                f"FLOPs per sample could not be counted ({why}); throughput is reported without FLOP/s and MFU "
-                "(logging.throughput.enabled=false turns the count off)",
-                stacklevel=2,
-            )
+            # On meta first (no memory); on the worker's device when the criterion needs values.
+            for device in [torch.device("meta")] + ([] if sharded else [self.device]):
+                try:
+                    self.flops_per_sample = self._count(batch, device)
+                    return
+                except Exception as err:
+                    error = err
         finally:
             set_rng_state(state)
             if self.gpu:
                 torch.cuda.reset_peak_memory_stats(self.device)
+            if error is not None and self.flops_per_sample is None:
+                self._warn(error)
 
-    def _count(self, batch: Any) -> float | None:
-        """FLOPs per unit of one forward and backward of the criterion on copies of the model
-        and its EMA; None when the micro-batch has no units."""
+    def _warn(self, err: BaseException) -> None:
+        why = "no room for a copy of the model" if is_oom(err) else f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"FLOPs per sample could not be counted ({why}); throughput is reported without FLOP/s and MFU "
+            "(logging.throughput.enabled=false turns the count off)",
+            stacklevel=3,
+        )
+
+    def _count(self, batch: Any, device: torch.device) -> float | None:
+        """FLOPs per unit of one forward and backward of the criterion on copies of the model and
+        its EMA on ``device``; None when the micro-batch has no units."""
         engine = self.engine
-        model = copy.deepcopy(engine.module).train()
-        ema = copy.deepcopy(engine.ema.module) if engine.ema is not None else None
+        on_meta = device.type == "meta"
+        source = self.plain if on_meta and self.plain is not None else unwrap(engine.module)
+        model = plain_copy(source, device if on_meta else None).train()
+        ema = None
+        if engine.ema is not None:
+            ema = plain_copy(source, device) if on_meta else plain_copy(engine.ema.module)
         ctx = StepContext(engine.step, engine.epoch, engine.values(), ema, measuring=True)
-        if self.counts is not None:
+        if self.counts is not None:  # from the values, before the batch goes to meta
             ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
+        batch = to_device(batch, device)
         counter = FlopCounterMode(display=False)
         with counter:
             with autocast(engine.config.precision, self.device):

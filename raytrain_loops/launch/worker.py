@@ -24,7 +24,7 @@ from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
 from raytrain_loops.engine.rng import seed_everything
-from raytrain_loops.engine.throughput import Throughput
+from raytrain_loops.engine.throughput import Throughput, plain_copy
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.batches import RayBatches
 from raytrain_loops.launch.checkpoints import RayReporter
@@ -100,10 +100,17 @@ def _announce_start(reporter, engine: Engine, config: Config, world: int, scale:
 
 
 def _callbacks(
-    payload: WorkerPayload, engine: Engine, faults: Faults, sender: Sender, rank: int, world: int, total: int
+    payload: WorkerPayload,
+    engine: Engine,
+    faults: Faults,
+    sender: Sender,
+    rank: int,
+    world: int,
+    total: int,
+    plain: torch.nn.Module,
 ):
-    """The loop callbacks of a Ray run: the run log, the spike guard, faults, throughput, the
-    profiler and, when tracked, MLflow."""
+    """The loop callbacks of a Ray run: the run log, the spike guard, faults, throughput (its FLOPs
+    counted on ``plain``, the model as the task built it), the profiler and, when tracked, MLflow."""
     config, task = payload.config, payload.task
     log = RunLog(
         payload.run_dir,
@@ -121,7 +128,7 @@ def _callbacks(
         log,
         SpikeGuard(config.spike),
         faults,
-        Throughput(config.logging.throughput, engine, task.criterion, counts),
+        Throughput(config.logging.throughput, engine, task.criterion, counts, plain),
     ]
     callbacks.append(Profile(config.logging.profile, payload.run_dir, rank, engine.device))
     if payload.tracking is not None:
@@ -137,7 +144,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
-    model, ema_module = _prepare_model(task.build_model(), task, config)
+    model = task.build_model()
+    plain = plain_copy(model, "meta")  # shapes only: the FLOP count's model, whatever the sharding
+    model, ema_module = _prepare_model(model, task, config)
     # After sharding: fully_shard replaces the parameters, and the groups must hold the new ones.
     groups = task.param_groups(unwrap(model)) if config.optim.param_groups == "task" else None
     # A worker of an earlier attempt stopped: a retry would meet it again. Decided together (a
@@ -168,7 +177,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     sender = payload.console or Sender(None)
     if rank == 0:
         _announce_start(reporter, engine, config, world, scale, sender, run_dir)
-    callbacks = _callbacks(payload, engine, faults, sender, rank, world, total)
+    callbacks = _callbacks(payload, engine, faults, sender, rank, world, total, plain)
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
