@@ -270,6 +270,10 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
     result = fit(resolve("lm"), overrides=overrides)
     run_dir = Path(result.run_dir)
     assert result.metrics["eval_bpb"] < 8.0 and "eval_ema_bpb" in result.metrics
+    # FLOPs of the whole model, counted on its plain structure: at least the matrix products'.
+    d, layers = params["dim"], params["layers"]
+    m = result.metrics
+    assert m["flops_per_sample"] > 6 * (12 * d * d * layers + 256 * d) and m["gflops_per_s"] > 0
     final = run_dir / "checkpoint_00000006"
     assert ckpt.verify(final) == 2 and ckpt.is_sharded(final)
     assert {p.name for p in (final / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
