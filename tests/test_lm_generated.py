@@ -3,7 +3,9 @@ known floor, packed like the bytes, and a tied GPT that learns it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -176,3 +178,32 @@ def test_a_tiny_generated_token_model_goes_well_below_the_unigram_toward_the_flo
 def test_bad_data_params_are_refused_naming_the_key(params, key):
     with pytest.raises((ValueError, ConfigError), match=key.replace(".", r"\.")):
         build_task("lm", params)
+
+
+def _write_source(root: Path) -> None:
+    """Six small .py files (two fall in validation at val_percent=20), each with a line longer
+    than max_len."""
+    for k, name in enumerate(["a.py", "b.py", "c.py", "d.py", "e.py", "pkg/f.py"]):
+        lines = [f"v{k}_{i} = {i * i}  # {'-' * ((i * 7 + k) % 45)}\n" for i in range(60 + 25 * k)]
+        lines.insert(10, "s = '" + "y" * 80 + "'\n")
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("".join(lines))
+
+
+def test_bytes_stay_as_they_were_rows_stats_and_cache_directory(tmp_path):
+    # Digests taken from the task before generated data existed: the bytes path and its cache
+    # directory must not move (existing caches stay valid, runs stay comparable).
+    _write_source(tmp_path / "src")
+    task = LMTask(dim=8, layers=1, heads=1, max_len=48, max_tokens=192, val_percent=20.0, source=str(tmp_path / "src"))
+    task.prepare(tmp_path / "data")
+    base = task.data_subdir(tmp_path / "data")
+    rows = {s: pq.read_table(base / f"{s}.parquet").to_pydict() for s in ("train", "valid")}
+    blob = json.dumps(
+        {s: [[t.hex(), ls] for t, ls in zip(r["tokens"], r["lengths"], strict=True)] for s, r in rows.items()}
+    )
+    stats = json.loads((base / "stats.json").read_text())
+    stats.pop("source")
+    assert hashlib.sha256(blob.encode()).hexdigest().startswith("54b4b691f466d40e")
+    assert hashlib.sha256(json.dumps(stats, sort_keys=True).encode()).hexdigest().startswith("8757a44d3034d95d")
+    fixed = LMTask(source="/srv/corpus/src", max_len=48, max_tokens=192, val_percent=20.0)
+    assert fixed.data_subdir(Path("/d")) == Path("/d/lm/src-c249a996ce")
