@@ -32,7 +32,7 @@ def rng_for(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: no elementwise ==
 class Language:
     """The chain's tables: ``unigram`` (``symbols`` probabilities) and ``successors``
     (``symbols`` x :data:`SUCCESSORS` ids)."""
