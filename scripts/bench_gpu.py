@@ -2,8 +2,10 @@
 """The LM recipe's model on one GPU: the engine's step against a hand-written loop doing the same
 math, in bf16 and fp16, with tokens/s, achieved TFLOP/s and MFU.
 
-Both runners train the same model (the ``lm`` task's byte-level GPT, at the shipped size and at
-a GPT-2-small-like size) on the same packed stdlib batches, already on the GPU, with the same
+Both runners train the same model (the ``lm`` task's GPT: ``small``, the shipped byte-level size;
+``gpt``, GPT-2 small's shape on bytes, 85M parameters; ``gpt2``, the ``lm_gpt`` recipe's model,
+124M parameters with a tied 50304-token embedding, on generated tokens) on the same packed
+batches (stdlib bytes, or generated tokens), already on the GPU, with the same
 update: autocast forward, a loss summed over tokens, backward, gradients divided by the token
 count (``loss.reduction=sum``), global-norm clipping at 1.0, AdamW, the fp16 loss scaler, and a
 non-finite check that reads the loss on the host. The engine runs under an NCCL process group of
@@ -20,8 +22,8 @@ dense bf16/fp16 peak from the table below (``--peak-tflops`` overrides it).
 ``--strategies ddp fsdp`` prints a second table instead: the ``lm_gpt`` recipe's model on every
 GPU of the machine (one process each, NCCL), wrapped in DDP or sharded by FSDP2, with regional
 compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak.
-``--device cpu`` runs that table's code on gloo CPU processes at the small size (a check of the
-code, no MFU).
+``--device cpu`` runs that table's code on gloo CPU processes with the recipe's task at a small
+width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 
     python scripts/bench_gpu.py --strategies ddp fsdp [--compiles off on] [--steps 20]
 """
@@ -53,9 +55,22 @@ PEAK_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100
 SIZES = {
     # the shipped recipe's model (recipes/lm.yaml)
     "small": dict(dim=128, layers=4, heads=4, max_len=256, max_tokens=4096),
-    # GPT-2-small-like: 12 layers of width 768, 12 heads, 1024-byte sequences, 16k tokens a step
+    # GPT-2-small-like on bytes: 12 layers of width 768, 12 heads, 1024-byte sequences, 16k tokens a step
     "gpt": dict(dim=768, layers=12, heads=12, max_len=1024, max_tokens=16384),
 }
+# The lm_gpt recipe's model on a CPU: its generated tokens and tied embedding, small enough for gloo.
+CPU_CHECK = dict(dim=64, layers=2, heads=2, vocab=512, max_len=256, max_tokens=4096)
+
+
+def task_params(size: str, batches: int) -> dict:
+    """The task's parameters for ``size``: ``gpt2`` (and ``cpu``, its small check) are the lm_gpt
+    recipe's, with just enough generated tokens for ``batches`` batches."""
+    if size not in ("gpt2", "cpu"):
+        return SIZES[size]
+    params = dict(load_config(resolve("lm_gpt")).task.params)
+    if size == "cpu":
+        params.update(CPU_CHECK)
+    return {**params, "tokens": (batches + 8) * params["max_tokens"]}
 
 
 def peak_tflops(override: float | None) -> float:
@@ -154,11 +169,12 @@ def load_batches(task: LMTask, data_dir: Path, device: str = "cuda") -> list:
 
 
 def measure(size: str, dtype: str, args, data_dir: Path, peak: float) -> dict:
-    task = LMTask(**SIZES[size], compile=args.compile)
+    params = task_params(size, args.batches)
+    task = LMTask(**params, compile=args.compile)
     batches = load_batches(task, data_dir)[: args.batches]
     tokens = sum(b[2] for b in batches) / len(batches)
-    flops = flops_per_step(LMTask(**SIZES[size]), batches)
-    lr = 6e-4 if size == "gpt" else 6e-3
+    flops = flops_per_step(LMTask(**params), batches)
+    lr = 6e-3 if size == "small" else 6e-4
     bare, engine = Bare(task, dtype, lr), EngineRunner(task, dtype, lr)
     # Warm-up over every batch the timing uses: the first step of each shape picks kernels (and,
     # compiled, recompiles), which would otherwise fall on whichever runner meets the shape first.
@@ -217,7 +233,7 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
             f"compile.enabled={spec['compile']}",
         ],
     )
-    task = LMTask(**SIZES[spec["size"]])
+    task = LMTask(**spec["params"])
     batches = load_batches(task, Path(spec["data_dir"]), str(device))[rank::world][: spec["batches"]]
     torch.manual_seed(0)
     model = task.build_model().to(device)
@@ -265,10 +281,11 @@ def strategy_table(args) -> None:
 
     cuda = args.device == "cuda"
     world = torch.cuda.device_count() if cuda else 2
-    size = "gpt" if cuda else "small"
+    size = "gpt2" if cuda else "cpu"
+    params = task_params(size, args.batches)
     peak = peak_tflops(args.peak_tflops) if cuda else float("nan")
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
-    task = LMTask(**SIZES[size])
+    task = LMTask(**params)
     task.prepare(data_dir)
     flops_per_token = float("nan")
     if cuda:
@@ -287,7 +304,7 @@ def strategy_table(args) -> None:
             out = Path(tempfile.mkdtemp(prefix="bench-gpu-")) / "result.json"
             spec = dict(
                 device=args.device,
-                size=size,
+                params=params,
                 dtype="bf16",
                 strategy=strategy,
                 compile=compiled == "on",
@@ -308,7 +325,7 @@ def strategy_table(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["small", "gpt"], choices=sorted(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=["small", "gpt"], choices=[*SIZES, "gpt2"])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
     ap.add_argument("--runs", type=int, default=3, help="runs; the table gives each run's ratio and the median")
     ap.add_argument("--repeats", type=int, default=5, help="alternated blocks per runner in a run")

@@ -290,10 +290,10 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
 
 
 def _lm_model():
-    from raytrain_loops.tasks.lm import ByteTransformer
+    from raytrain_loops.tasks.lm import GPT
 
     torch.manual_seed(0)
-    return ByteTransformer(dim=32, layers=2, heads=2)
+    return GPT(dim=32, layers=2, heads=2)
 
 
 def _backward_ops(model, tokens) -> tuple[float, dict[str, float], dict[str, int]]:
@@ -374,10 +374,15 @@ def test_the_lm_gpt_recipe_is_gpt2_small_shaped_and_sharded_block_by_block():
     assert (config.scaling.strategy, config.scaling.use_gpu, config.precision.dtype) == ("fsdp", True, "bf16")
     assert config.compile.enabled and config.loss.reduction == "sum"
     task = build_task(config.task.name, config.task.params)
-    model = task.build_model()
+    assert (task.data, task.vocab, task.max_len) == ("generated", 50304, 1024)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = task.build_model()
     blocks = task.blocks(model)
     assert len(blocks) == 12 and blocks[0].attn.qkv.in_features == 768 and blocks[0].attn.heads == 12
-    assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6  # GPT-2 small less its 39M token table
+    assert model.head.weight is model.embed.weight  # tied: GPT-2 small counts its 50304 x 768 table once
+    count = sum(p.numel() for p in model.parameters())
+    # 50304 x 768 tokens + 12 blocks of 7,087,872 + the final norm (rotary positions: no position table)
+    assert count == 123_689_472, count
 
 
 def _oom_on_rank0(rank: int, world: int):
@@ -445,3 +450,85 @@ def test_compile_or_checkpointing_on_a_task_without_blocks_is_refused_before_ray
         with pytest.raises(ConfigError, match="names none: override Task.blocks") as info:
             fit({**base, **section}, task=SpiralTask())
         assert info.value.key == key
+
+
+TIED = dict(data="generated", vocab=96, tokens=2_000, dim=16, layers=2, heads=2, max_len=24, max_tokens=96)
+
+
+def _tied_batches() -> list:
+    """Two small batches of generated tokens for the tied model (one per worker)."""
+    import numpy as np
+
+    from raytrain_loops.data.tokens import Language, rng_for
+    from raytrain_loops.tasks.lm import LMTask
+
+    task = LMTask(**TIED)
+    data, lengths = Language.make(TIED["vocab"] - 1, 0).sample(rng_for(0, 1), 120, 24, "<u2")
+    ends = np.cumsum(lengths)
+    batches = []
+    for a, b in ((0, 3), (3, len(lengths))):
+        piece = data[ends[a] - lengths[a] : ends[b - 1]].tobytes()
+        row = {"tokens": np.array([piece], dtype=object), "lengths": np.empty(1, dtype=object)}
+        row["lengths"][0] = lengths[a:b].astype(np.int32)
+        batches.append(task.collate(row))
+    return batches
+
+
+def _tied_engine(sharded: bool) -> Engine:
+    from raytrain_loops.tasks.lm import LMTask
+
+    task = LMTask(**TIED)
+    torch.manual_seed(0)
+    model = task.build_model()
+    if sharded:
+        shard(model, task.blocks(model), torch.device("cpu"))
+    config = fakes.config("loss.reduction=sum", "optim.name=adamw", "schedules.lr.value=0.01").engine
+    return Engine(model, task.criterion, config, total_steps=4)
+
+
+def _tied_fsdp(rank: int, world: int, directory: str, batches: list):
+    """Two FSDP steps of the tied model (a batch per worker), then a sharded checkpoint."""
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    engine = _tied_engine(sharded=True)
+    for _ in range(2):
+        engine.train_step([batches[rank]])
+    module = engine.module
+    state = engine.state_dict()
+    ckpt.write_sharded(directory, rank, {ckpt.rank_file(rank): {"rng": state.pop("rng")}}, state, world)
+    return {"tied": module.head.weight is module.embed.weight, "model": _full(module.state_dict())}
+
+
+def test_a_tied_embedding_and_head_stay_one_matrix_under_fsdp_and_through_a_sharded_checkpoint(tmp_path):
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    batches = _tied_batches()
+    directory = str(tmp_path / "checkpoint_00000002")
+    outcomes = run_gloo(2, _tied_fsdp, directory, batches, timeout=240)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    # The same two updates in one process, the two batches as two micro-batches (sum normalisation).
+    plain = _tied_engine(sharded=False)
+    for _ in range(2):
+        plain.train_step(batches)
+    ref = plain.module.state_dict()
+    assert not torch.equal(ref["embed.weight"], _tied_engine(sharded=False).module.state_dict()["embed.weight"])
+    for o in outcomes:
+        assert o.value["tied"]
+        got = o.value["model"]
+        assert torch.equal(got["embed.weight"], got["head.weight"])
+        for name, value in ref.items():
+            torch.testing.assert_close(got[name], value, **TOLERANCE["fp32"], msg=name)
+
+    # Loaded on one worker: the head is still the embedding, and the optimizer's moments came along.
+    single = _tied_engine(sharded=False)
+    targets = single.sharded_targets()
+    ckpt.read_sharded(directory, targets)
+    single.load_state_dict({**ckpt.read_file(directory, ckpt.STATE), **targets})
+    module = single.module
+    assert module.head.weight is module.embed.weight
+    torch.testing.assert_close(module.embed.weight, outcomes[0].value["model"]["embed.weight"], atol=0, rtol=0)
+    assert single.optimizer.state_dict()["state"][0]["step"] == 2
+    exported = ckpt.export(directory, tmp_path / "state.pt")
+    fresh = _tied_engine(sharded=False).module
+    fresh.load_state_dict(exported["model"])  # strict: both names present
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.head.weight, module.embed.weight)

@@ -30,7 +30,7 @@ def plot_run(run_dir: str) -> str | None:
     series = {n: [(r["step"], r[n]) for r in evals if isinstance(r.get(n), int | float)] for n in names}
     # Scores (accuracy, mAP, IoU: higher is better) apart from losses and errors, whose scale
     # would flatten them.
-    lower_is_better = ("loss", "error", "bpb")
+    lower_is_better = ("loss", "error", "bpb", "bpt")
     others = [n for n in names if series[n] and any(w in n for w in lower_is_better)]
     scores = [n for n in names if series[n] and n not in others]
     panels = [("evaluation: scores", scores), ("evaluation: losses and errors", others)]

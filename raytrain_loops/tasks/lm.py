@@ -1,6 +1,7 @@
-"""A byte-level causal language model on the Python standard library's own source (fairseq-style).
+"""A causal language model (fairseq-style) on bytes of the Python standard library's own source,
+or on generated tokens at a GPT-2-sized vocabulary.
 
-The text is on every machine without a download: the ``.py`` files under
+``data=bytes`` (the default): the text is on every machine without a download: the ``.py`` files under
 ``sysconfig.get_paths()["stdlib"]`` (tests and site-packages left out), or any directory named in
 ``source``. :meth:`LMTask.prepare` cuts each file at line ends into sequences of at most
 ``max_len`` bytes, splits train and validation by file (a hash of the path), and packs sequences
@@ -9,6 +10,12 @@ of similar length into batches of at most ``max_tokens`` padded tokens (fairseq'
 concatenated; ``lengths``: one length per sequence), so ``data.batch_size=1`` row is one
 micro-batch of variable shape. The criterion is a sum over target tokens with
 ``sample_size`` = the number of target tokens, for ``loss.reduction=sum``.
+
+``data=generated``: ``tokens`` training tokens (and ``val_percent`` percent as many for
+validation) of the seeded language of :mod:`raytrain_loops.data.tokens` over ``vocab - 1`` ids,
+id ``vocab - 1`` being BOS, in sequences of 1 to ``max_len`` tokens packed and stored as above,
+each token as a little-endian uint16 (int32 when ``vocab`` exceeds 65536). The embedding and
+the head are one tied ``vocab`` x ``dim`` matrix, as in GPT-2.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 
@@ -35,6 +43,9 @@ IGNORE = -100  # target of a padding position
 LN2 = math.log(2.0)
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 FORMAT = 1  # bump when the Parquet layout or the cutting rules change (a new cache directory)
+GENERATED_FORMAT = 1  # the same for generated tokens (and the language's constants)
+DATA = ("bytes", "generated")
+GENERATED_DEFAULTS = {"vocab": 50304, "tokens": 10_000_000, "seed": 0}  # 50304: GPT-2's 50257 padded to 64
 
 
 def source_files(root: Path) -> list[Path]:
@@ -81,14 +92,38 @@ def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def write_packed(out_dir: Path, split: str, lengths: list[int], piece, max_tokens: int, rng) -> int:
+    """Pack the sequences of ``lengths`` (``piece(i)``: sequence ``i``'s token bytes) and write
+    ``<split>.parquet`` under a temporary name, then rename it; return the batch count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    batches = pack(lengths, max_tokens)
+    order = rng.permutation(len(batches))  # rows in no particular length order
+    table = pa.table(
+        {
+            "tokens": pa.array([b"".join(piece(i) for i in batches[j]) for j in order], pa.binary()),
+            "lengths": pa.array([[lengths[i] for i in batches[j]] for j in order], pa.list_(pa.int32())),
+        }
+    )
+    tmp = out_dir / f"{split}.parquet.tmp{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out_dir / f"{split}.parquet")
+    return len(batches)
+
+
+def write_stats(out_dir: Path, stats: dict) -> None:
+    """``stats.json``, written last (under a temporary name, then renamed): the mark of a complete set."""
+    tmp = out_dir / f"stats.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(stats, indent=1) + "\n")
+    os.replace(tmp, out_dir / "stats.json")
+
+
 def write_lm_parquet(
     source: Path, out_dir: Path, max_len: int, max_tokens: int, val_percent: float, seed: int = 0
 ) -> dict:
     """Cut, split, pack and write ``train.parquet``, ``valid.parquet`` and ``stats.json`` (last,
     as the marker of a complete write); return the stats. Idempotent."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     stats_path = out_dir / "stats.json"
     if stats_path.exists():
         return json.loads(stats_path.read_text())
@@ -112,29 +147,71 @@ def write_lm_parquet(
     stats: dict = {"source": str(source), "max_len": max_len, "max_tokens": max_tokens}
     byte_counts = {}
     for split, seqs in pieces.items():
-        batches = pack([len(s) for s in seqs], max_tokens)
-        order = rng.permutation(len(batches))  # rows in no particular length order
-        table = pa.table(
-            {
-                "tokens": pa.array([b"".join(seqs[i] for i in batches[j]) for j in order], pa.binary()),
-                "lengths": pa.array([[len(seqs[i]) for i in batches[j]] for j in order], pa.list_(pa.int32())),
-            }
-        )
-        tmp = out_dir / f"{split}.parquet.tmp{os.getpid()}"
-        pq.write_table(table, tmp)
-        os.replace(tmp, out_dir / f"{split}.parquet")
+        batches = write_packed(out_dir, split, [len(s) for s in seqs], seqs.__getitem__, max_tokens, rng)
         data = np.frombuffer(b"".join(seqs), dtype=np.uint8)
         byte_counts[split] = np.bincount(data, minlength=256)
-        stats[split] = {"files": counts[split], "sequences": len(seqs), "batches": len(batches), "tokens": data.size}
+        stats[split] = {"files": counts[split], "sequences": len(seqs), "batches": batches, "tokens": data.size}
     # Unigram baseline: the train byte distribution (add-one smoothed), scored on validation.
     train = byte_counts["train"]
     bits = -np.log2((train + 1) / (train.sum() + 256))
     stats["unigram_bits"] = bits.tolist()
     stats["unigram_valid_bpb"] = float((byte_counts["valid"] * bits).sum() / byte_counts["valid"].sum())
-    tmp = out_dir / f"stats.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(stats, indent=1) + "\n")
-    os.replace(tmp, stats_path)
+    write_stats(out_dir, stats)
     return stats
+
+
+def token_dtype(vocab: int) -> str:
+    """How a generated token is stored: little-endian uint16 while the ids fit, else int32."""
+    return "<u2" if vocab <= 1 << 16 else "<i4"
+
+
+def write_generated_parquet(
+    out_dir: Path, vocab: int, tokens: int, seed: int, max_len: int, max_tokens: int, val_percent: float
+) -> dict:
+    """Generate, pack and write ``train.parquet`` (``tokens`` tokens), ``valid.parquet``
+    (``val_percent`` percent as many) and ``stats.json`` (last); return the stats. Idempotent.
+
+    ``stats.json`` holds per split the sequences, batches and tokens; ``unigram_bits`` (the
+    train token distribution, add-one smoothed, in bits per id); ``unigram_valid_bpt`` (those
+    bits' mean over the validation tokens); ``floor_valid_bpt`` (the language's own
+    ``-log2 P(token | previous)`` over them: no model scores lower, in expectation)."""
+    stats_path = out_dir / "stats.json"
+    if stats_path.exists():
+        return json.loads(stats_path.read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    language = Language.make(vocab - 1, seed)
+    stats: dict = {"vocab": vocab, "bos": vocab - 1, "seed": seed, "dtype": token_dtype(vocab)}
+    stats.update(max_len=max_len, max_tokens=max_tokens)
+    sizes = {"train": tokens, "valid": max(1, round(tokens * val_percent / 100))}
+    rows_rng = np.random.default_rng(seed)
+    counts, drawn = {}, {}
+    for stream, (split, n) in enumerate(sizes.items(), start=1):
+        data, lengths = drawn[split] = language.sample(rng_for(seed, stream), n, max_len, token_dtype(vocab))
+        batches = write_packed(out_dir, split, lengths.tolist(), _pieces(data, lengths), max_tokens, rows_rng)
+        stats[split] = {"sequences": len(lengths), "batches": batches, "tokens": n}
+        counts[split] = np.bincount(data, minlength=vocab - 1)
+    bits = -np.log2((counts["train"] + 1) / (counts["train"].sum() + vocab - 1))
+    stats["unigram_bits"] = bits.tolist()
+    stats["unigram_valid_bpt"] = float((counts["valid"] * bits).sum() / counts["valid"].sum())
+    stats["floor_valid_bpt"] = float(language.bits(*_previous_and_token(*drawn["valid"])).mean())
+    write_stats(out_dir, stats)
+    return stats
+
+
+def _pieces(data: np.ndarray, lengths: np.ndarray):
+    """``piece(i)``: the bytes of sequence ``i`` of the concatenated ``data``."""
+    raw, width = data.tobytes(), data.itemsize
+    ends = np.cumsum(lengths).tolist()
+    starts = [e - n for e, n in zip(ends, lengths.tolist(), strict=True)]
+    return lambda i: raw[starts[i] * width : ends[i] * width]
+
+
+def _previous_and_token(data: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token and the one before it (-1 before a sequence's first), as int64 tensors."""
+    token = torch.from_numpy(data.astype(np.int64))
+    previous = torch.cat([torch.tensor([-1]), token[:-1]])
+    previous[torch.from_numpy(np.cumsum(lengths) - lengths)] = -1
+    return previous, token
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -180,16 +257,24 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-class ByteTransformer(nn.Module):
-    """A small GPT: byte embeddings, ``layers`` blocks with rotary positions, a 256-way byte head."""
+class GPT(nn.Module):
+    """A small GPT: token embeddings, ``layers`` blocks with rotary positions, a head over the
+    vocabulary.
 
-    def __init__(self, dim: int, layers: int, heads: int, dropout: float = 0.0):
+    ``vocab=None``: bytes, a 257-row embedding (256 bytes and BOS) and a 256-way head with a
+    bias. ``vocab=V``: a ``V``-row embedding (BOS among the rows) whose matrix is also the head's
+    (tied, no bias, as GPT-2): ``head.weight`` is ``embed.weight``, one parameter.
+    """
+
+    def __init__(self, dim: int, layers: int, heads: int, dropout: float = 0.0, vocab: int | None = None):
         super().__init__()
-        self.embed = nn.Embedding(257, dim)  # 256 bytes + BOS
+        self.embed = nn.Embedding(257 if vocab is None else vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 256)
-        for name, p in self.named_parameters():
+        self.head = nn.Linear(dim, 256) if vocab is None else nn.Linear(dim, vocab, bias=False)
+        if vocab is not None:
+            self.head.weight = self.embed.weight
+        for name, p in self.named_parameters():  # a tied matrix once, under its first name (embed)
             if p.dim() > 1:
                 # GPT-2: residual output projections scaled down with depth.
                 std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
@@ -205,10 +290,19 @@ class ByteTransformer(nn.Module):
 
 
 class LMTask(Task):
-    """Byte-level language modelling with fairseq's sample-size normalisation (``loss.reduction=sum``).
+    """Causal language modelling with fairseq's sample-size normalisation (``loss.reduction=sum``).
 
-    Metrics: ``bpb`` (bits per byte) in training; ``eval_bpb`` and ``eval_unigram_bpb`` (the train
-    byte distribution scored on the same validation bytes) at each evaluation.
+    ``data``: ``bytes`` (the stdlib's source, or ``source``) or ``generated`` (``tokens``
+    training tokens of a seeded language over ``vocab`` ids, ``vocab - 1`` of them tokens and
+    one BOS; ``seed``). ``vocab``, ``tokens`` and ``seed`` are for ``generated`` only,
+    ``source`` for ``bytes`` only.
+
+    Metrics, in bits per target unit. Bytes: ``bpb`` (bits per byte) in training; ``eval_bpb``
+    and ``eval_unigram_bpb`` (the train byte distribution scored on the same validation bytes)
+    at each evaluation. Generated tokens: ``bpt`` (bits per token) in training; ``eval_bpt``,
+    ``eval_unigram_bpt`` (the train token distribution on the same validation tokens) and
+    ``eval_floor_bpt`` (the language's own ``-log2 P(token | previous)`` on them: the score of
+    a perfect model) at each evaluation.
     """
 
     def __init__(
@@ -222,35 +316,57 @@ class LMTask(Task):
         val_percent: float = 2.0,
         source: str = "",
         compile: bool = False,
+        data: str = "bytes",
+        vocab: int | None = None,
+        tokens: int | None = None,
+        seed: int | None = None,
     ):
-        for key, value, low in (("dim", dim, 1), ("layers", layers, 1), ("heads", heads, 1), ("max_len", max_len, 2)):
-            if value < low:
-                raise ValueError(f"task.params.{key} must be >= {low}; got {value}")
-        if dim % heads:
-            raise ValueError(f"task.params.dim={dim} must be a multiple of task.params.heads={heads}")
-        if max_tokens < max_len:
-            raise ValueError(f"task.params.max_tokens={max_tokens} must be >= task.params.max_len={max_len}")
-        if not 0 < val_percent < 100:
-            raise ValueError(f"task.params.val_percent must be in (0, 100); got {val_percent}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"task.params.dropout must be in [0, 1); got {dropout}")
+        _check_shape(dim, layers, heads, max_len, max_tokens, val_percent, dropout)
+        generated = _check_data(data, source, {"vocab": vocab, "tokens": tokens, "seed": seed})
         self.dim, self.layers, self.heads, self.dropout = dim, layers, heads, dropout
         self.max_len, self.max_tokens, self.val_percent = max_len, max_tokens, val_percent
         self.source = Path(source).expanduser().resolve() if source else Path(sysconfig.get_paths()["stdlib"])
-        self.compile = compile
+        self.compile, self.data = compile, data
+        self.vocab, self.tokens, self.seed = (generated[k] for k in ("vocab", "tokens", "seed"))
+        self.bos = BOS if data == "bytes" else self.vocab - 1
+        self.unit = "bpb" if data == "bytes" else "bpt"  # bits per byte, or per token
         self.unigram_bits: list[float] | None = None  # set by prepare(), shipped to the workers with the task
+        self._language: Language | None = None
+
+    @property
+    def language(self) -> Language | None:
+        """The generated data's language (``None`` for bytes), made from ``vocab`` and ``seed``."""
+        if self.data == "generated" and self._language is None:
+            self._language = Language.make(self.vocab - 1, self.seed)
+        return self._language
 
     def data_subdir(self, data_dir: Path) -> Path:
         """The cache directory of this source and packing (one per distinct setting)."""
+        if self.data == "generated":
+            key = json.dumps(
+                [GENERATED_FORMAT, self.vocab, self.tokens, self.seed, self.max_len, self.max_tokens, self.val_percent]
+            )
+            return data_dir / "lm" / f"generated-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
         key = json.dumps([FORMAT, str(self.source), self.max_len, self.max_tokens, self.val_percent])
         return data_dir / "lm" / f"{self.source.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
     def prepare(self, data_dir: Path) -> None:
-        if not self.source.is_dir():
-            raise ValueError(f"task.params.source={str(self.source)!r} is not a directory")
-        stats = write_lm_parquet(
-            self.source, self.data_subdir(data_dir), self.max_len, self.max_tokens, self.val_percent
-        )
+        if self.data == "generated":
+            stats = write_generated_parquet(
+                self.data_subdir(data_dir),
+                self.vocab,
+                self.tokens,
+                self.seed,
+                self.max_len,
+                self.max_tokens,
+                self.val_percent,
+            )
+        else:
+            if not self.source.is_dir():
+                raise ValueError(f"task.params.source={str(self.source)!r} is not a directory")
+            stats = write_lm_parquet(
+                self.source, self.data_subdir(data_dir), self.max_len, self.max_tokens, self.val_percent
+            )
         self.unigram_bits = stats["unigram_bits"]
 
     def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
@@ -261,7 +377,7 @@ class LMTask(Task):
         }
 
     def build_model(self) -> nn.Module:
-        model = ByteTransformer(self.dim, self.layers, self.heads, self.dropout)
+        model = GPT(self.dim, self.layers, self.heads, self.dropout, vocab=self.vocab)
         if self.compile:
             model.compile(dynamic=True)  # in place: parameter names stay those of the plain model
         return model
@@ -271,15 +387,16 @@ class LMTask(Task):
 
     def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Rows of packed sequences -> right-padded ``(inputs, targets, target token count)``:
-        inputs are BOS then the bytes shifted by one, targets the bytes (``IGNORE`` on padding)."""
+        inputs are BOS then the tokens shifted by one, targets the tokens (``IGNORE`` on padding)."""
         lengths = np.concatenate([np.asarray(row, dtype=np.int64) for row in batch["lengths"]])
-        flat = torch.from_numpy(np.frombuffer(b"".join(batch["tokens"]), dtype=np.uint8).astype(np.int64))
+        dtype = np.uint8 if self.data == "bytes" else token_dtype(self.vocab)
+        flat = torch.from_numpy(np.frombuffer(b"".join(batch["tokens"]), dtype=dtype).astype(np.int64))
         rows = np.repeat(np.arange(len(lengths)), lengths)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         inputs = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
         targets = torch.full_like(inputs, IGNORE)
         targets[rows, cols] = flat
-        inputs[:, 0] = BOS
+        inputs[:, 0] = self.bos
         shifted = cols < lengths[rows] - 1
         inputs[rows[shifted], cols[shifted] + 1] = flat[shifted]
         return inputs, targets, int(lengths.sum())
@@ -288,14 +405,56 @@ class LMTask(Task):
         inputs, targets, ntokens = batch
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        return LossOutput(loss, sample_size=ntokens, logs={"bpb": loss.detach() / (ntokens * LN2)})
+        return LossOutput(loss, sample_size=ntokens, logs={self.unit: loss.detach() / (ntokens * LN2)})
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
         inputs, targets, ntokens = batch
         logits = model(inputs).float()
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        out = {"bpb": (nll / (ntokens * LN2), ntokens), "loss": (nll / ntokens, ntokens)}
+        out = {self.unit: (nll / (ntokens * LN2), ntokens), "loss": (nll / ntokens, ntokens)}
+        real = targets != IGNORE
         if self.unigram_bits is not None:
-            bits = torch.tensor(self.unigram_bits, device=targets.device)[targets[targets != IGNORE]]
-            out["unigram_bpb"] = (bits.sum() / ntokens, ntokens)
+            bits = torch.tensor(self.unigram_bits, device=targets.device)[targets[real]]
+            out[f"unigram_{self.unit}"] = (bits.sum() / ntokens, ntokens)
+        if self.language is not None:
+            out["floor_bpt"] = (self.language.bits(inputs[real], targets[real]).sum() / ntokens, ntokens)
         return out
+
+
+def _check_shape(
+    dim: int, layers: int, heads: int, max_len: int, max_tokens: int, val_percent: float, dropout: float
+) -> None:
+    for key, value, low in (("dim", dim, 1), ("layers", layers, 1), ("heads", heads, 1), ("max_len", max_len, 2)):
+        if value < low:
+            raise ValueError(f"task.params.{key} must be >= {low}; got {value}")
+    if dim % heads:
+        raise ValueError(f"task.params.dim={dim} must be a multiple of task.params.heads={heads}")
+    if max_tokens < max_len:
+        raise ValueError(f"task.params.max_tokens={max_tokens} must be >= task.params.max_len={max_len}")
+    if not 0 < val_percent < 100:
+        raise ValueError(f"task.params.val_percent must be in (0, 100); got {val_percent}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"task.params.dropout must be in [0, 1); got {dropout}")
+
+
+def _check_data(data: str, source: str, generated: dict) -> dict:
+    """The generated data's settings, defaults filled in (all ``None`` for bytes); an error naming
+    the key for an unknown ``data``, a setting of the other kind of data, or a bad value."""
+    if data not in DATA:
+        raise ValueError(f"task.params.data must be one of {', '.join(DATA)}; got {data!r}")
+    if data == "bytes":
+        for key, value in generated.items():
+            if value is not None:
+                raise ValueError(
+                    f"task.params.{key} is for task.params.data=generated; data is bytes (256 byte values)"
+                )
+        return generated
+    if source:
+        raise ValueError("task.params.source is for task.params.data=bytes; data is generated")
+    filled = {k: GENERATED_DEFAULTS[k] if v is None else v for k, v in generated.items()}
+    for key, low in (("vocab", 2), ("tokens", 1), ("seed", 0)):
+        if not isinstance(filled[key], int) or isinstance(filled[key], bool) or filled[key] < low:
+            raise ValueError(f"task.params.{key} must be an integer >= {low}; got {filled[key]!r}")
+    if filled["vocab"] > 1 << 31:
+        raise ValueError(f"task.params.vocab must be at most 2**31 (ids stored as int32); got {filled['vocab']}")
+    return filled
