@@ -7,11 +7,33 @@ plug in; ``LossOutput`` is what a criterion returns.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from raytrain_loops.config import Config, ConfigError, load_config
-from raytrain_loops.engine import LossOutput, StepContext
-from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+if TYPE_CHECKING:
+    from raytrain_loops.config import Config, ConfigError, load_config
+    from raytrain_loops.engine import LossOutput, StepContext
+    from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+
+# Imported when first asked for: a process that needs only a small part of the package (the
+# console's feed actor, the CLI's argument errors) does not import torch through this file.
+_LAZY = {
+    "Config": "raytrain_loops.config",
+    "ConfigError": "raytrain_loops.config",
+    "load_config": "raytrain_loops.config",
+    "LossOutput": "raytrain_loops.engine",
+    "StepContext": "raytrain_loops.engine",
+    "MapSplit": "raytrain_loops.tasks",
+    "ParquetSplit": "raytrain_loops.tasks",
+    "Task": "raytrain_loops.tasks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Config",

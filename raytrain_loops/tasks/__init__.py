@@ -1,24 +1,44 @@
-"""Tasks: model + criterion + data + evaluation, one per seed family."""
+"""Tasks: model + criterion + data + evaluation, one per seed family.
+
+The built-in tasks are imported when first named (``build_task``, or an attribute of this
+package): each pulls in its own libraries (torchmetrics and SciPy for detection), and every Ray
+actor that imports this package (the workers, the Train controller, the console's feed) would
+otherwise pay for all of them at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task
-from raytrain_loops.tasks.cvnets import CvnetsTask
-from raytrain_loops.tasks.detr import DetrTask
-from raytrain_loops.tasks.digits import DigitsTask
-from raytrain_loops.tasks.dino import DinoTask
-from raytrain_loops.tasks.lm import LMTask
-from raytrain_loops.tasks.seamseg import SeamsegTask
 
-BUILTIN = {
-    "digits": DigitsTask,
-    "cvnets": CvnetsTask,
-    "dino": DinoTask,
-    "detr": DetrTask,
-    "lm": LMTask,
-    "seamseg": SeamsegTask,
+# name -> (module, class) of the built-in tasks.
+BUILTIN_PATHS = {
+    "digits": ("raytrain_loops.tasks.digits", "DigitsTask"),
+    "cvnets": ("raytrain_loops.tasks.cvnets", "CvnetsTask"),
+    "dino": ("raytrain_loops.tasks.dino", "DinoTask"),
+    "detr": ("raytrain_loops.tasks.detr", "DetrTask"),
+    "lm": ("raytrain_loops.tasks.lm", "LMTask"),
+    "seamseg": ("raytrain_loops.tasks.seamseg", "SeamsegTask"),
 }
+_CLASSES = {cls: module for module, cls in BUILTIN_PATHS.values()}
+
+
+def builtin(name: str) -> type[Task]:
+    """The built-in task class called ``name`` (a key of ``BUILTIN_PATHS``), imported now."""
+    module, cls = BUILTIN_PATHS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def __getattr__(attr: str) -> Any:  # ``from raytrain_loops.tasks import DetrTask`` imports it then
+    if attr in _CLASSES:
+        return getattr(importlib.import_module(_CLASSES[attr]), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
 
 __all__ = [
-    "BUILTIN",
+    "BUILTIN_PATHS",
     "CvnetsTask",
     "DetrTask",
     "DigitsTask",
@@ -30,4 +50,5 @@ __all__ = [
     "SeamsegTask",
     "Task",
     "build_task",
+    "builtin",
 ]

@@ -157,13 +157,13 @@ def _check_factory(name: str, factory: Any) -> None:
 
 
 def _resolve(name: str) -> Any:
-    from raytrain_loops.tasks import BUILTIN
+    from raytrain_loops.tasks import BUILTIN_PATHS, builtin
 
-    if name in BUILTIN:
-        return BUILTIN[name]
+    if name in BUILTIN_PATHS:
+        return builtin(name)
     if ":" not in name:
         raise ConfigError(
-            "task.name", f"{name!r}: not a built-in task ({', '.join(sorted(BUILTIN))}) nor 'module:callable'"
+            "task.name", f"{name!r}: not a built-in task ({', '.join(sorted(BUILTIN_PATHS))}) nor 'module:callable'"
         )
     module_name, _, attr = name.partition(":")
     try:
