@@ -174,25 +174,6 @@ def _final_checkpoint(out: subprocess.CompletedProcess) -> Path:
 
 
 @pytest.mark.ray
-def test_two_node_cluster_runs_one_training_worker_on_each_node_and_shards_alike(head, tmp_path):
-    """One worker on each node; then the same run with both workers on one node ends with the
-    same weights, bit for bit: which rows a rank gets does not depend on where Ray placed it
-    (Parquet shards without node locality, in order)."""
-    worker = _second_node(head, "worker.log")
-    try:
-        spread = _final_checkpoint(_submit(head, tmp_path / "spread", "scaling.placement_strategy=STRICT_SPREAD"))
-        packed = _final_checkpoint(_submit(head, tmp_path / "packed", "scaling.placement_strategy=STRICT_PACK"))
-    finally:
-        worker.stop()
-    nodes = [torch.load(spread / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
-    assert len(set(nodes)) == 2, nodes
-    nodes = [torch.load(packed / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
-    assert len(set(nodes)) == 1, nodes
-    a, b = (ckpt.read_file(str(c), ckpt.STATE)["model"] for c in (spread, packed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.ray
 def test_unauthenticated_requests_are_refused(head, tmp_path):
     assert _get(f"{head['url']}/api/jobs/", None) == 401
     assert _get(f"{head['url']}/api/jobs/", "0" * 32) == 403
@@ -220,24 +201,33 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.ray
-def test_an_elastic_run_goes_on_with_fewer_workers_when_a_node_goes(head, tmp_path):
-    """scaling.min_workers=1 of 2: the node of one worker is stopped mid-run; Ray Train restarts
-    the group with the one worker the head holds, which takes two micro-batches per update (the
-    same global batch), and the run ends close to a fixed-size run of the same config."""
-    common = ["loop.max_steps=60", "scaling.cpus_per_worker=2", "checkpoint.every_steps=5", "eval.every_steps=60"]
-    worker = _second_node(head, "elastic.log")
+def test_two_nodes_shard_alike_wherever_workers_run_and_an_elastic_run_goes_on_when_a_node_goes(head, tmp_path):
+    """On a head and a second node (one cluster for both parts: a node start and a run fewer):
+
+    - one worker on each node, then both workers on one node: the same weights, bit for bit.
+      Which rows a rank gets does not depend on where Ray placed it (Parquet shards without node
+      locality, in order);
+    - scaling.min_workers=1 of 2: the node of one worker is stopped mid-run; Ray Train restarts
+      the group with the one worker the head holds, which takes two micro-batches per update (the
+      same global batch), and the run ends close to the fixed-size run on two nodes."""
+    # Each worker on one thread: the two placements differ in CPUs per worker, not in arithmetic.
+    common = ["loop.max_steps=60", "checkpoint.every_steps=5", "eval.every_steps=60", "scaling.threads_per_worker=1"]
+    worker = _second_node(head, "worker.log")
     try:
         deadline = time.monotonic() + 60
-        while _cluster_cpus(head) < 5:  # the head's 3 and the node's 2: room for both workers
+        while _cluster_cpus(head) < 5:  # the head's 3 and the node's 2
             assert time.monotonic() < deadline, "the second node did not join"
             time.sleep(1)
-        fixed = _submit(head, tmp_path / "fixed", *common, "run.name=fixed")
-        assert fixed.returncode == 0, fixed.stdout[-3000:]
+        # 2 CPUs per worker: one worker per node, and after the node goes only one fits on the head.
+        spread_args = [*common, "scaling.cpus_per_worker=2", "scaling.placement_strategy=STRICT_SPREAD"]
+        spread = _final_checkpoint(_submit(head, tmp_path / "spread", *spread_args, "run.name=spread"))
+        packed_args = [*common, "scaling.cpus_per_worker=1", "scaling.placement_strategy=STRICT_PACK"]
+        packed = _final_checkpoint(_submit(head, tmp_path / "packed", *packed_args, "run.name=packed"))
 
-        elastic_args = [*common, "run.name=elastic", "scaling.min_workers=1", "run.max_failures=3"]
+        elastic_args = [*common, "scaling.cpus_per_worker=2", "run.name=elastic", "scaling.min_workers=1"]
         run_dir = tmp_path / "elastic" / "elastic"
         job = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_loops.cli", "submit", "default", *elastic_args]
+            [sys.executable, "-m", "raytrain_loops.cli", "submit", "default", *elastic_args, "run.max_failures=3"]
             + [f"run.storage_path={tmp_path / 'elastic'}", f"data.dir={tmp_path / 'data'}", "--address", head["url"]],
             env=head["env"],
             stdout=subprocess.PIPE,
@@ -254,13 +244,20 @@ def test_an_elastic_run_goes_on_with_fewer_workers_when_a_node_goes(head, tmp_pa
     finally:
         worker.stop()
 
+    nodes = [torch.load(spread / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
+    assert len(set(nodes)) == 2, nodes
+    nodes = [torch.load(packed / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
+    assert len(set(nodes)) == 1, nodes
+    a, b = (ckpt.read_file(str(c), ckpt.STATE)["model"] for c in (spread, packed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
     steps = _steps(run_dir)
     assert steps[0]["workers"] == 2 and steps[-1]["workers"] == 1 and steps[-1]["step"] == 60
     # The global batch stayed 64 samples per update on one worker (2 micro-batches of 32).
     assert {s["sample_size"] for s in steps} == {64.0}
     counted = {s["step"]: s for s in steps}  # the last record of each step is the one that counted
     assert sorted(counted) == list(range(1, 61))
-    reference = {s["step"]: s["loss"] for s in _steps(tmp_path / "fixed" / "fixed")}
+    reference = {s["step"]: s["loss"] for s in _steps(tmp_path / "spread" / "spread")}
     late = range(41, 61)
     elastic_loss = sum(counted[i]["loss"] for i in late) / len(late)
     fixed_loss = sum(reference[i] for i in late) / len(late)

@@ -65,7 +65,7 @@ def _sweep(tmp_path, **fields):
         "metric": "eval_accuracy",
         "mode": "max",
         "max_concurrent_trials": 2,
-        "trial": {"num_workers": 2, "cpus_per_worker": 0.5},
+        "trial": {"num_workers": 1, "cpus_per_worker": 0.5},  # one worker: what is tested is Tune's part
         "storage_path": str(tmp_path / "sweeps"),
         **fields,
     }
@@ -99,7 +99,7 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
     assert result.best_values == {"schedules.lr.value": 3.0e-3}
     # best.yaml is a recipe `train` accepts, with the best value in it.
     recipe = load_config(Path(result.sweep_dir) / "best.yaml")
-    assert recipe.schedules["lr"].value == 3.0e-3 and recipe.scaling.num_workers == 2
+    assert recipe.schedules["lr"].value == 3.0e-3 and recipe.scaling.num_workers == 1  # the sweep's trial section
     assert recipe.run.storage_path == load_config(resolve("default")).run.storage_path
     assert (Path(result.sweep_dir) / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
     # Each trial's Train run (checkpoints, logs) lives under the sweep.
@@ -130,9 +130,11 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
         space={"schedules.lr.value": {"choice": [1.0e-5, 3.0e-3]}},
         # A population of a poor and a good learning rate: the poor one is exploited.
         search={"points": [{"schedules.lr.value": 1.0e-5}, {"schedules.lr.value": 3.0e-3}]},
-        scheduler={"name": "pbt", "perturbation_interval": 10, "quantile_fraction": 0.5},
+        # synch: the decision at step 10 waits for both trials, however fast each one starts.
+        scheduler={"name": "pbt", "perturbation_interval": 10, "quantile_fraction": 0.5, "synch": True},
     )
-    overrides = [*TINY, "loop.max_steps=40", "checkpoint.keep=10", f"data.dir={tmp_path / 'data'}"]
+    # One decision, at step 10: the poor trial takes the good one's weights and goes on to step 20.
+    overrides = [*TINY, "loop.max_steps=20", "checkpoint.keep=10", f"data.dir={tmp_path / 'data'}"]
     result = tune(resolve("default"), sweep, overrides=overrides)
 
     trials = Path(result.sweep_dir) / "trials"
@@ -211,7 +213,7 @@ def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path
     )
     trial = trial_base(base, sweep, sweep_dir)
     assert trial.run.storage_path == str(Path(sweep_dir) / "trials")
-    assert (trial.scaling.num_workers, trial.scaling.cpus_per_worker) == (2, 0.5)  # the sweep's trial section
+    assert (trial.scaling.num_workers, trial.scaling.cpus_per_worker) == (1, 0.5)  # the sweep's trial section
     assert (trial.run.name, trial.run.progress) == ("", False)
     assert trial.eval.every_steps == trial.run.report_every_steps == trial.checkpoint.every_steps == 7
     assert (base.run.name, base.scaling.num_workers) == ("mine", 4)  # the recipe itself is untouched

@@ -39,6 +39,11 @@ class SchedulerConfig:
     perturbation_interval: int = opt(50, "pbt: steps between exploit/explore decisions.")
     quantile_fraction: float = opt(0.25, "pbt: the bottom fraction copies the top fraction.")
     resample_probability: float = opt(0.25, "pbt: chance of resampling a value instead of perturbing it.")
+    synch: bool = opt(
+        False,
+        "pbt: decide only once every trial has reached the perturbation point (a fast trial waits), "
+        "not on whatever the others have reported so far.",
+    )
 
     def __post_init__(self) -> None:
         if self.grace_period < 1 or self.perturbation_interval < 1:

@@ -212,6 +212,7 @@ def _scheduler(sweep: SweepConfig, length: int):
             hyperparam_mutations=mutations,
             quantile_fraction=s.quantile_fraction,
             resample_probability=s.resample_probability,
+            synch=s.synch,
         )
     return FIFOScheduler()
 
