@@ -104,46 +104,35 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     assert sum(per_epoch[1].values()) == 10 * 2 * 2 * 32  # a full epoch: 10 updates x 2 micro x 2 workers
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(ray_session, tmp_path):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_a_loss_spike_stops_without_a_retry(
+    ray_session, tmp_path
+):
+    """A run of 18 steps whose newest checkpoint is then torn; the rerun of 24 steps restores the
+    one before, and a loss spike at step 22 ends it: no retry, nothing written after the spike."""
     record = tmp_path / "rec"
-    first = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=18"))
+    spike = ["spike.factor=20", "spike.min_steps=5", "fault.plan=[{step: 22, rank: 1, kind: spike}]"]
+    common = [*spike, "run.max_failures=3"]  # retries left: the spike must not use them
+    first = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=18", *common))
     run = Path(first.run_dir)
     assert sorted(p.name for p in run.glob("checkpoint_0*")) == ["checkpoint_00000012", "checkpoint_00000018"]
     state = run / "checkpoint_00000018" / ckpt.STATE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
 
-    second = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=24"))
+    with pytest.raises(
+        TrainingStopped, match=r"LossSpikeError at step 22: loss spike at step 22: .* is \d+\.\dx the mean"
+    ):
+        fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=24", *common))
     restored = json.loads((run / "init.json").read_text())
     assert restored["checkpoint"].endswith("checkpoint_00000012")
     assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000018"]
     assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 19)) + list(range(13, 25))  # 13-18 redone from the intact checkpoint
-    # The redone step 18 got a directory of its own next to the damaged one, and the newest is intact.
-    assert (run / "checkpoint_00000018-2").is_dir() and second.checkpoint.endswith("checkpoint_00000024")
-    assert ckpt.verify(second.checkpoint) == 2
-
-
-def test_a_loss_spike_stops_the_run_without_a_retry(ray_session, tmp_path):
-    overrides = _overrides(
-        tmp_path,
-        "spike",
-        tmp_path / "rec",
-        "loop.max_steps=30",
-        "spike.factor=20",
-        "spike.min_steps=5",
-        "fault.plan=[{step: 9, rank: 1, kind: spike}]",
-        "run.max_failures=3",
-    )
-    with pytest.raises(
-        TrainingStopped, match=r"LossSpikeError at step 9: loss spike at step 9: .* is \d+\.\dx the mean"
-    ):
-        fit(resolve("default"), overrides=overrides)
-    run = Path(tmp_path / "runs" / "spike")
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 10))  # one attempt: a retry would have logged steps again
+    # 13-18 redone from the intact checkpoint; one attempt up to the spike (a retry would log steps again).
+    assert steps == list(range(1, 19)) + list(range(13, 23))
+    # The redone step 18 got a directory of its own next to the damaged one; nothing after the spike.
     checkpoints = sorted(p.name for p in run.glob("checkpoint_0*"))
-    assert checkpoints == ["checkpoint_00000006"]  # nothing written after the spike
+    assert checkpoints == ["checkpoint_00000018", "checkpoint_00000018-2"]  # checkpoint.keep=2
+    assert ckpt.verify(run / "checkpoint_00000018-2") == 2
 
 
 def test_a_stop_decided_by_one_worker_alone_ends_every_worker_within_seconds(ray_session, tmp_path):

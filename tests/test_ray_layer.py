@@ -208,24 +208,14 @@ def test_the_trainer_shards_parquet_splits_in_order_and_regardless_of_where_work
 
 
 @pytest.mark.ray
-def test_a_users_own_task_trains_through_the_python_api(ray_session, tmp_path):
+def test_a_users_own_task_trains_through_the_python_api_and_its_run_name_continues_mid_epoch(ray_session, tmp_path):
     from examples.custom_task import CONFIG, SpiralTask
 
-    config = {**CONFIG, "loop": {"epochs": 12}, "run": {"storage_path": str(tmp_path), "progress": False}}
-    result = fit(config, task=SpiralTask())
-    evals = [json.loads(line) for line in (Path(result.run_dir) / "eval.jsonl").read_text().splitlines()]
-    assert len(evals) == 12 and evals[-1]["step"] == 12 * 16  # 2048 rows / 2 workers / 64 per batch
-    assert result.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
-
-
-@pytest.mark.ray
-def test_the_same_run_name_continues_mid_epoch_without_redoing_steps(ray_session, tmp_path):
-    from examples.custom_task import CONFIG, SpiralTask
-
-    # 16 steps per epoch; the first run stops at step 24, half-way through epoch 1.
+    # 16 steps per epoch (2048 rows / 2 workers / 64 per batch); the first run stops at step 24,
+    # half-way through epoch 1, and the same run name carries it on to the end of 12 epochs.
     base = {
         **CONFIG,
-        "loop": {"max_steps": 24, "epochs": 3},
+        "loop": {"max_steps": 24, "epochs": 12},
         "checkpoint": {"every_steps": 8},
         "run": {"name": "resume-me", "storage_path": str(tmp_path), "progress": False},
     }
@@ -234,9 +224,11 @@ def test_the_same_run_name_continues_mid_epoch_without_redoing_steps(ray_session
     state = torch.load(Path(first.checkpoint) / "rank1.pt", weights_only=True)
     assert state["data"] == {"epoch": 1, "batches": 8}
 
-    second = fit({**base, "loop": {"max_steps": 40, "epochs": 3}}, task=SpiralTask())
+    second = fit({**base, "loop": {"max_steps": 0, "epochs": 12}}, task=SpiralTask())
     records = [json.loads(line) for line in (Path(second.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 41))  # 1-24, then 25-40: nothing redone
+    assert [r["step"] for r in records] == list(range(1, 12 * 16 + 1))  # 1-24, then 25-192: nothing redone
     assert [r["epoch"] for r in records][23:26] == [1, 1, 1]  # the second run resumed inside epoch 1
     assert records[24]["loss"] < 0.8 * records[0]["loss"]  # with the trained weights, not fresh ones
-    assert second.metrics["step"] == 40
+    evals = [json.loads(line) for line in (Path(second.run_dir) / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == second.metrics["step"] == 12 * 16
+    assert second.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
