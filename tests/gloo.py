@@ -52,6 +52,44 @@ def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args
     dist.destroy_process_group()
 
 
+# What every group's processes import, imported once by the server they are forked from.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "pyarrow.parquet",
+    "raytrain_loops.config",
+    "raytrain_loops.data",
+    "raytrain_loops.engine",
+    "raytrain_loops.engine.loop",
+    "raytrain_loops.engine.sharding",
+    "raytrain_loops.engine.throughput",
+    "raytrain_loops.recipes",
+    "raytrain_loops.tasks.detr",
+    "raytrain_loops.tasks.dino",
+    "raytrain_loops.tasks.lm",
+    "raytrain_loops.tasks.seamseg",
+    "tests.fakes",
+    "tests.gloo",
+    "tests.recording",
+]
+_context_cache: list = []
+
+
+def _context():
+    """Processes forked from one server that imported torch, the engine and the tasks at its
+    start (``forkserver``): a group's processes start in a fraction of a second, where spawned
+    ones would import torch again, a few CPU-seconds each. The server holds no threads and no
+    process group. It keeps the environment it started with: a test that needs another
+    environment in its workers must pass it as an argument."""
+    if not _context_cache:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _context_cache.append(ctx)
+    return _context_cache[0]
+
+
 def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` CPU processes; return their outcomes in rank order.
     ``daemon=False`` lets them start processes of their own (DataLoader workers); the deadline
@@ -62,7 +100,7 @@ def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True)
 def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
     on GPU r); return their outcomes in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
         procs = [

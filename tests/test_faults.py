@@ -15,6 +15,7 @@ from raytrain_loops import fit
 from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.engine import throughput
 from raytrain_loops.launch.errors import TrainingStopped
+from raytrain_loops.launch.tracking import RUN_ID_FILE
 from raytrain_loops.recipes import resolve
 from tests.recording import counted_batches
 
@@ -64,12 +65,23 @@ def _assert_same(a, b, where="state"):
 
 
 def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sample_once(ray_session, tmp_path):
-    steps = "loop.max_steps=36"
-    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", steps))
+    """A run whose worker 1 is killed after step 15 and whose worker 0 raises after step 27 ends
+    as the run without faults does, and its three attempts log to one MLflow run."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # Both runs track (a callback's state is in the checkpoint compared below) and evaluate. The
+    # restarts resume from checkpoints 12 and 24 and replay steps 13-15 and 25-27, where the ended
+    # attempts had logged an evaluation (13, 26) and an interval (14, 26).
+    common = [
+        "loop.max_steps=36",
+        "logging.every_steps=2",
+        "eval.every_steps=13",
+        f"logging.mlflow.tracking_uri={store}",
+    ]
+    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", *common))
     plan = "fault.plan=[{step: 15, rank: 1, kind: kill}, {step: 27, rank: 0, kind: raise}]"
     faulty = fit(
         resolve("default"),
-        overrides=_overrides(tmp_path, "faulty", tmp_path / "rec-faulty", steps, plan, "run.max_failures=2"),
+        overrides=_overrides(tmp_path, "faulty", tmp_path / "rec-faulty", *common, plan, "run.max_failures=2"),
     )
     # Both faults fired (once each) and the run still finished.
     assert sorted(p.name for p in (Path(faulty.run_dir) / "faults").iterdir()) == ["0.fired", "1.fired"]
@@ -102,6 +114,29 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     for epoch, seen in per_epoch.items():
         assert max(seen.values()) == 1, f"epoch {epoch}: a row was used twice"
     assert sum(per_epoch[1].values()) == 10 * 2 * 2 * 32  # a full epoch: 10 updates x 2 micro x 2 workers
+
+    # The run's own logs keep every attempt's lines; MLflow has one run, each step once.
+    run_dir = Path(faulty.run_dir)
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 16)) + list(range(13, 28)) + list(range(25, 37))
+    evaluated = [json.loads(line)["step"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert evaluated == [13, 13, 26, 26, 36]  # steps 13 and 26 evaluated by two attempts each
+    client = pytest.importorskip("mlflow").MlflowClient(store)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("raytrain-loops").experiment_id], "attributes.run_name = 'faulty'"
+    )  # one run, not one per attempt
+    run_id = run.info.run_id
+    assert (run_dir / RUN_ID_FILE).read_text().strip() == run_id and run.info.status == "FINISHED"
+    assert run.data.params["loop.max_steps"] == "36" and run.data.params["scaling.num_workers"] == "2"
+    assert (
+        run.data.params["fault.plan"]
+        == "[{'step': 15, 'rank': 1, 'kind': 'kill'}, {'step': 27, 'rank': 0, 'kind': 'raise'}]"
+    )
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(2, 37, 2))
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval_accuracy"))
+    assert [s for s, _ in evals] == [13, 26, 36] and evals[-1][1] == pytest.approx(faulty.metrics["eval_accuracy"])
+    assert {"summary.json", "config.yaml", "curves.png"} <= {f.path for f in client.list_artifacts(run_id)}
+    assert (tmp_path / "mlartifacts" / run_id / "artifacts" / "summary.json").is_file()  # beside the database
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_a_loss_spike_stops_without_a_retry(

@@ -1,10 +1,10 @@
 """MLflow tracking against real local MLflow stores (a directory, sqlite): the URI checked before
 Ray starts, the config as params, reduced metrics with their step, one MLflow run per run
-directory through restarts and reruns."""
+directory through restarts and reruns. The Ray run whose killed and crashed workers log to one
+MLflow run is in test_faults.py (its runs serve both)."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
@@ -116,48 +116,3 @@ def test_the_stores_run_id_is_recorded_and_a_missing_run_is_replaced(tmp_path):
     # Artifacts beside the database, not in the current directory of the process that created it.
     assert client.get_experiment(tracking.experiment_id).artifact_location == f"file://{tmp_path}/mlartifacts"
     assert isinstance(run, TrackedRun) and run.tracking_uri == store
-
-
-@pytest.mark.ray
-def test_a_killed_worker_and_the_restarted_group_log_to_one_mlflow_run(ray_session, tmp_path):
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    overrides = [
-        f"logging.mlflow.tracking_uri={store}",
-        "logging.mlflow.experiment=faults",
-        f"data.dir={tmp_path / 'data'}",
-        f"run.storage_path={tmp_path / 'runs'}",
-        "run.name=killed",
-        "run.progress=false",
-        "loop.max_steps=16",
-        "logging.every_steps=2",
-        "eval.every_steps=4",
-        "checkpoint.every_steps=6",
-        # The restarted group resumes from step 6 and replays steps 7-9, an interval and an
-        # evaluation at step 8 among them, which the killed attempt had logged.
-        "fault.plan=[{step: 9, rank: 1, kind: kill}]",
-        "run.max_failures=1",
-    ]
-    result = fit(resolve("default"), overrides=overrides)
-    run_dir = Path(result.run_dir)
-    assert (run_dir / "faults" / "0.fired").exists()  # the kill happened
-    evaluated = [json.loads(line)["step"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert evaluated == [4, 8, 8, 12, 16]  # both attempts evaluated at step 8
-
-    client = mlflow.MlflowClient(store)
-    experiment = client.get_experiment_by_name("faults")
-    (run,) = client.search_runs([experiment.experiment_id])  # one run, not one per attempt
-    run_id = run.info.run_id
-    assert (run_dir / RUN_ID_FILE).read_text().strip() == run_id
-    assert run.info.status == "FINISHED" and run.info.run_name == "killed"
-    assert run.data.params["loop.max_steps"] == "16" and run.data.params["scaling.num_workers"] == "2"
-    assert run.data.params["fault.plan"] == "[{'step': 9, 'rank': 1, 'kind': 'kill'}]"
-
-    loss = client.get_metric_history(run_id, "loss")
-    assert sorted(m.step for m in loss) == [2, 4, 6, 8, 10, 12, 14, 16]  # step 8 once
-    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval_accuracy"))
-    assert [s for s, _ in evals] == [4, 8, 12, 16]  # MLflow has step 8 once
-    assert evals[-1][1] == pytest.approx(result.metrics["eval_accuracy"])
-
-    artifacts = {f.path for f in client.list_artifacts(run_id)}
-    assert {"summary.json", "config.yaml", "curves.png"} <= artifacts
-    assert (tmp_path / "mlartifacts" / run_id / "artifacts" / "summary.json").is_file()  # beside the database
