@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.recipes import resolve
 
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
@@ -126,7 +127,6 @@ def _submit(
         "raytrain_loops.cli",
         "submit",
         recipe,
-        "loop.max_steps=8",
         "logging.every_steps=4",
         f"run.storage_path={storage}",
         f"data.dir={storage / 'data'}",
@@ -135,24 +135,6 @@ def _submit(
         head["url"],
     ]
     return subprocess.run([sys.executable, *args], env=env or head["env"], capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.ray
-def test_submit_the_default_recipe_through_the_jobs_api(head, tmp_path):
-    # The recipe travels as a file in the job's uploaded working directory (a runtime env).
-    from raytrain_loops.recipes import resolve
-
-    workdir = tmp_path / "job"
-    workdir.mkdir()
-    (workdir / "digits.yaml").write_text(resolve("default").read_text())
-    out = _submit(head, tmp_path, "--working-dir", str(workdir), recipe=str(workdir / "digits.yaml"))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "SUCCEEDED; results in " in out.stdout
-    run_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["metrics"]["step"] == 8 and "eval_accuracy" in summary["metrics"]
-    assert "step 4/8" in out.stdout  # the job's progress lines were followed
-    assert "train digits.yaml loop.max_steps=8" in out.stdout  # the recipe, relative to the working dir
 
 
 def _second_node(head, log_name: str) -> Node:
@@ -167,19 +149,13 @@ def _second_node(head, log_name: str) -> Node:
     return Node([f"--address={head['gcs']}", "--num-cpus=2", *ports], head["env"], head["root"] / log_name)
 
 
-def _final_checkpoint(out: subprocess.CompletedProcess) -> Path:
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    run_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())
-    return Path(json.loads((run_dir / "summary.json").read_text())["checkpoint"])
-
-
 @pytest.mark.ray
 def test_unauthenticated_requests_are_refused(head, tmp_path):
     assert _get(f"{head['url']}/api/jobs/", None) == 401
     assert _get(f"{head['url']}/api/jobs/", "0" * 32) == 403
     wrong = tmp_path / "wrong-token"
     wrong.write_text("f" * 32)
-    out = _submit(head, tmp_path, env={**head["env"], "RAY_AUTH_TOKEN_PATH": str(wrong)})
+    out = _submit(head, tmp_path, "loop.max_steps=8", env={**head["env"], "RAY_AUTH_TOKEN_PATH": str(wrong)})
     assert out.returncode != 0
     assert "403" in out.stderr or "uthentica" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.glob("*/summary.json"))
@@ -200,30 +176,40 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.ray
-def test_two_nodes_shard_alike_wherever_workers_run_and_an_elastic_run_goes_on_when_a_node_goes(head, tmp_path):
-    """On a head and a second node (one cluster for both parts: a node start and a run fewer):
+def _node_ids(checkpoint: Path) -> set[str]:
+    return {torch.load(checkpoint / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)}
 
-    - one worker on each node, then both workers on one node: the same weights, bit for bit.
-      Which rows a rank gets does not depend on where Ray placed it (Parquet shards without node
-      locality, in order);
-    - scaling.min_workers=1 of 2: the node of one worker is stopped mid-run; Ray Train restarts
-      the group with the one worker the head holds, which takes two micro-batches per update (the
-      same global batch), and the run ends close to the fixed-size run on two nodes."""
+
+@pytest.mark.ray
+def test_submitted_runs_shard_alike_on_one_node_or_two_and_an_elastic_run_goes_on_when_a_node_goes(head, tmp_path):
+    """Two runs through the Jobs API on one cluster (a node start and two runs fewer than a test
+    per point):
+
+    - elastic: scaling.min_workers=1 of 2 workers of 2 CPUs, so one on the head (3 CPUs) and one
+      on a second node. The second node is stopped mid-run (SIGTERM, as a preemption notice
+      would); Ray Train restarts the group with the one worker the head holds, which takes two
+      micro-batches per update (the same global batch), and the run ends close to a fixed-size
+      run;
+    - fixed: the recipe as a file in the job's uploaded working directory, both workers on the
+      head (1 CPU each, STRICT_PACK); the job's progress lines are followed and its results
+      printed. At step 10 its weights equal, bit for bit, those the elastic run had on two nodes:
+      which rows a rank gets does not depend on where Ray placed it (Parquet shards without node
+      locality, in order)."""
     # Each worker on one thread: the two placements differ in CPUs per worker, not in arithmetic.
-    common = ["loop.max_steps=60", "checkpoint.every_steps=5", "eval.every_steps=60", "scaling.threads_per_worker=1"]
+    # Every checkpoint kept: the two runs are compared at step 10.
+    common = [
+        "loop.max_steps=60",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep=20",
+        "eval.every_steps=60",
+        "scaling.threads_per_worker=1",
+    ]
     worker = _second_node(head, "worker.log")
     try:
         deadline = time.monotonic() + 60
         while _cluster_cpus(head) < 5:  # the head's 3 and the node's 2
             assert time.monotonic() < deadline, "the second node did not join"
             time.sleep(1)
-        # 2 CPUs per worker: one worker per node, and after the node goes only one fits on the head.
-        spread_args = [*common, "scaling.cpus_per_worker=2", "scaling.placement_strategy=STRICT_SPREAD"]
-        spread = _final_checkpoint(_submit(head, tmp_path / "spread", *spread_args, "run.name=spread"))
-        packed_args = [*common, "scaling.cpus_per_worker=1", "scaling.placement_strategy=STRICT_PACK"]
-        packed = _final_checkpoint(_submit(head, tmp_path / "packed", *packed_args, "run.name=packed"))
-
         elastic_args = [*common, "scaling.cpus_per_worker=2", "run.name=elastic", "scaling.min_workers=1"]
         run_dir = tmp_path / "elastic" / "elastic"
         job = subprocess.Popen(
@@ -235,20 +221,35 @@ def test_two_nodes_shard_alike_wherever_workers_run_and_an_elastic_run_goes_on_w
             text=True,
         )
         deadline = time.monotonic() + 180
-        while not [s for s in _steps(run_dir) if s["step"] >= 12]:  # past a checkpoint, on 2 workers
+        two_nodes = run_dir / "checkpoint_00000010"
+        # Past checkpoint 10 on 2 workers, both of its workers' files written.
+        while not ((two_nodes / "manifest.rank1.json").exists() and [s for s in _steps(run_dir) if s["step"] >= 12]):
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
             time.sleep(0.2)
-        worker.stop()  # the node goes (SIGTERM, as a preemption notice would), and its worker with it
+        worker.stop()  # the node goes, and its worker with it
         output = job.communicate(timeout=300)[0]
         assert job.returncode == 0, output[-3000:]
     finally:
         worker.stop()
 
-    nodes = [torch.load(spread / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
-    assert len(set(nodes)) == 2, nodes
-    nodes = [torch.load(packed / f"rank{r}.pt", weights_only=True)["node_id"] for r in (0, 1)]
-    assert len(set(nodes)) == 1, nodes
-    a, b = (ckpt.read_file(str(c), ckpt.STATE)["model"] for c in (spread, packed))
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    (workdir / "digits.yaml").write_text(resolve("default").read_text())
+    fixed_args = [*common, "scaling.cpus_per_worker=1", "scaling.placement_strategy=STRICT_PACK", "run.name=fixed"]
+    out = _submit(
+        head, tmp_path / "fixed", *fixed_args, "--working-dir", str(workdir), recipe=str(workdir / "digits.yaml")
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert ": python -m raytrain_loops.cli train digits.yaml " in out.stdout  # relative to the working dir
+    assert "step 4/60" in out.stdout  # the job's progress lines were followed
+    assert "SUCCEEDED; results in " in out.stdout
+    fixed_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())
+    summary = json.loads((fixed_dir / "summary.json").read_text())
+    assert summary["metrics"]["step"] == 60 and "eval_accuracy" in summary["metrics"]
+
+    one_node = fixed_dir / "checkpoint_00000010"
+    assert len(_node_ids(two_nodes)) == 2 and len(_node_ids(one_node)) == 1
+    a, b = (ckpt.read_file(str(c), ckpt.STATE)["model"] for c in (two_nodes, one_node))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     steps = _steps(run_dir)
@@ -257,7 +258,7 @@ def test_two_nodes_shard_alike_wherever_workers_run_and_an_elastic_run_goes_on_w
     assert {s["sample_size"] for s in steps} == {64.0}
     counted = {s["step"]: s for s in steps}  # the last record of each step is the one that counted
     assert sorted(counted) == list(range(1, 61))
-    reference = {s["step"]: s["loss"] for s in _steps(tmp_path / "spread" / "spread")}
+    reference = {s["step"]: s["loss"] for s in _steps(fixed_dir)}
     late = range(41, 61)
     elastic_loss = sum(counted[i]["loss"] for i in late) / len(late)
     fixed_loss = sum(reference[i] for i in late) / len(late)
