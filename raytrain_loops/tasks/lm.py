@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrain_loops.config import ConfigError
 from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
@@ -129,7 +130,7 @@ def write_lm_parquet(
         return json.loads(stats_path.read_text())
     files = source_files(source)
     if not files:
-        raise ValueError(f"task.params.source={str(source)!r}: no .py files there")
+        raise ConfigError("task.params.source", f"{str(source)!r} holds no .py files")
     pieces: dict[str, list[bytes]] = {"train": [], "valid": []}
     counts = {"train": 0, "valid": 0}
     for path in files:
@@ -138,9 +139,10 @@ def write_lm_parquet(
         counts[split] += 1
     for split, n in counts.items():
         if n == 0:
-            raise ValueError(
-                f"task.params.val_percent={val_percent}: the {split} split of {source} has no file "
-                f"({len(files)} files in all); choose a value that leaves files in both"
+            raise ConfigError(
+                "task.params.val_percent",
+                f"{val_percent} leaves the {split} split of {source} without a file "
+                f"({len(files)} files in all); choose a value that leaves files in both",
             )
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -363,7 +365,7 @@ class LMTask(Task):
             )
         else:
             if not self.source.is_dir():
-                raise ValueError(f"task.params.source={str(self.source)!r} is not a directory")
+                raise ConfigError("task.params.source", f"{str(self.source)!r} is not a directory")
             stats = write_lm_parquet(
                 self.source, self.data_subdir(data_dir), self.max_len, self.max_tokens, self.val_percent
             )
@@ -426,35 +428,35 @@ def _check_shape(
 ) -> None:
     for key, value, low in (("dim", dim, 1), ("layers", layers, 1), ("heads", heads, 1), ("max_len", max_len, 2)):
         if value < low:
-            raise ValueError(f"task.params.{key} must be >= {low}; got {value}")
+            raise ConfigError(f"task.params.{key}", f"must be >= {low}; got {value}")
     if dim % heads:
-        raise ValueError(f"task.params.dim={dim} must be a multiple of task.params.heads={heads}")
+        raise ConfigError("task.params.dim", f"{dim} is not a multiple of task.params.heads={heads}")
     if max_tokens < max_len:
-        raise ValueError(f"task.params.max_tokens={max_tokens} must be >= task.params.max_len={max_len}")
+        raise ConfigError("task.params.max_tokens", f"{max_tokens} is less than task.params.max_len={max_len}")
     if not 0 < val_percent < 100:
-        raise ValueError(f"task.params.val_percent must be in (0, 100); got {val_percent}")
+        raise ConfigError("task.params.val_percent", f"must be in (0, 100); got {val_percent}")
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"task.params.dropout must be in [0, 1); got {dropout}")
+        raise ConfigError("task.params.dropout", f"must be in [0, 1); got {dropout}")
 
 
 def _check_data(data: str, source: str, generated: dict) -> dict:
     """The generated data's settings, defaults filled in (all ``None`` for bytes); an error naming
     the key for an unknown ``data``, a setting of the other kind of data, or a bad value."""
     if data not in DATA:
-        raise ValueError(f"task.params.data must be one of {', '.join(DATA)}; got {data!r}")
+        raise ConfigError("task.params.data", f"must be one of {', '.join(DATA)}; got {data!r}")
     if data == "bytes":
         for key, value in generated.items():
             if value is not None:
-                raise ValueError(
-                    f"task.params.{key} is for task.params.data=generated; data is bytes (256 byte values)"
+                raise ConfigError(
+                    f"task.params.{key}", "is for task.params.data=generated; data is bytes (256 byte values)"
                 )
         return generated
     if source:
-        raise ValueError("task.params.source is for task.params.data=bytes; data is generated")
+        raise ConfigError("task.params.source", "is for task.params.data=bytes; data is generated")
     filled = {k: GENERATED_DEFAULTS[k] if v is None else v for k, v in generated.items()}
     for key, low in (("vocab", 2), ("tokens", 1), ("seed", 0)):
         if not isinstance(filled[key], int) or isinstance(filled[key], bool) or filled[key] < low:
-            raise ValueError(f"task.params.{key} must be an integer >= {low}; got {filled[key]!r}")
+            raise ConfigError(f"task.params.{key}", f"must be an integer >= {low}; got {filled[key]!r}")
     if filled["vocab"] > 1 << 31:
-        raise ValueError(f"task.params.vocab must be at most 2**31 (ids stored as int32); got {filled['vocab']}")
+        raise ConfigError("task.params.vocab", f"must be at most 2**31 (ids stored as int32); got {filled['vocab']}")
     return filled
