@@ -31,7 +31,6 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
     from raytrain_loops import tune
     from raytrain_loops.launch.fit import start_local_ray

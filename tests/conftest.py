@@ -35,10 +35,9 @@ def ray_session():
 
     # Workers import test and example modules by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    # Ray's processes take this environment. The Train controller polls its workers every 0.5 s,
-    # not 2 s (each report and each run's end waits for a poll), and no run starts a preemption
-    # watcher actor (no test covers cloud preemption notices): seconds per run, ~30 runs.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray's processes take this environment. No run starts a preemption watcher actor (no test
+    # covers cloud preemption notices): an actor process fewer per run, ~30 runs. (The controller's
+    # 0.5 s poll is start_local_ray's own.)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     start_local_ray(4)
     yield ray

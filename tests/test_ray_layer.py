@@ -4,7 +4,6 @@ must happen before Ray starts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -23,8 +22,7 @@ CLI = [sys.executable, "-m", "raytrain_loops.cli"]
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.ray

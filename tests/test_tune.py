@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -175,9 +174,8 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
         sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=20",
         f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),
     ]  # fmt: skip
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
     trials = tmp_path / "sweeps" / "resumable" / "trials"
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     # Interrupt once the first trial has written its final checkpoint and the second has started.
     while not ((trials / "trial_00000" / "checkpoint_00000020").exists() and (trials / "trial_00001").exists()):
@@ -186,7 +184,7 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=120)
 
-    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming the sweep" in second.stdout
     sweep_dir = tmp_path / "sweeps" / "resumable"

@@ -197,7 +197,8 @@ def ensure_ray(config: Config, num_cpus: float = 0) -> None:
 
 def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
     """A new local Ray instance whose dashboard (on 127.0.0.1) every process of it can find, with
-    its workers at the priority of its own services (``RAY_worker_niceness``, 0 unless set).
+    its workers at the priority of its own services (``RAY_worker_niceness``, 0 unless set) and
+    Ray Train's controller polling its workers every 0.5 s (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``).
 
     Ray Train cleans up after a controller that died (a stopped Tune trial, a killed driver)
     through the State API, which it finds through the dashboard's address. Without
@@ -218,6 +219,11 @@ def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
     # to itself, the training workers are the work: at nice 15 every wake-up of a Ray service
     # preempts them (measured: ~190 preemptions/s of the training thread, steps ~5% slower).
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Ray Train's controller takes one report per poll of its workers, every 2 s by default; a run
+    # that reports more often than that (every epoch of a small recipe) ends waiting for the
+    # backlog. Polled every 0.5 s, the default recipe's last step is followed by its summary in
+    # about 1 s, not 22 s (61.8 s for the whole command instead of 92.7 s).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     ray.init(
         address="local",  # a new instance, even when `ray start` left one running on this machine
         num_cpus=num_cpus,
