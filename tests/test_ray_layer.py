@@ -230,3 +230,16 @@ def test_a_users_own_task_trains_through_the_python_api_and_its_run_name_continu
     evals = [json.loads(line) for line in (Path(second.run_dir) / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == second.metrics["step"] == 12 * 16
     assert second.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
+
+
+@pytest.mark.ray
+def test_the_local_rays_train_controller_polls_its_workers_every_half_second(ray_session):
+    """It takes one report per poll: at Ray's 2 s the default recipe ended 22 s after its last
+    step, waiting for its reports' backlog. Every process of the local Ray has the setting."""
+    import os
+
+    @ray_session.remote(num_cpus=0)
+    def interval() -> str | None:
+        return os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+
+    assert ray_session.get(interval.remote()) == "0.5"
