@@ -9,6 +9,7 @@ order.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import tempfile
@@ -74,20 +75,18 @@ PRELOAD = [
     "tests.gloo",
     "tests.recording",
 ]
-_context_cache: list = []
 
 
+@functools.cache
 def _context():
     """Processes forked from one server that imported torch, the engine and the tasks at its
     start (``forkserver``): a group's processes start in a fraction of a second, where spawned
     ones would import torch again, a few CPU-seconds each. The server holds no threads and no
     process group. It keeps the environment it started with: a test that needs another
     environment in its workers must pass it as an argument."""
-    if not _context_cache:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _context_cache.append(ctx)
-    return _context_cache[0]
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:

@@ -39,6 +39,11 @@ def _overrides(tmp_path: Path, name: str, record: Path, *extra: str) -> list[str
     ]
 
 
+def _steps_in(run_dir: Path, log: str) -> list[int]:
+    """The step of each line of a run's ``metrics.jsonl`` or ``eval.jsonl``, in file order."""
+    return [json.loads(line)["step"] for line in (run_dir / log).read_text().splitlines()]
+
+
 def _state(result) -> dict:
     return ckpt.read_file(result.checkpoint, ckpt.STATE)
 
@@ -117,10 +122,8 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
 
     # The run's own logs keep every attempt's lines; MLflow has one run, each step once.
     run_dir = Path(faulty.run_dir)
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert logged == list(range(1, 16)) + list(range(13, 28)) + list(range(25, 37))
-    evaluated = [json.loads(line)["step"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert evaluated == [13, 13, 26, 26, 36]  # steps 13 and 26 evaluated by two attempts each
+    assert _steps_in(run_dir, "metrics.jsonl") == list(range(1, 16)) + list(range(13, 28)) + list(range(25, 37))
+    assert _steps_in(run_dir, "eval.jsonl") == [13, 13, 26, 26, 36]  # steps 13 and 26 evaluated by two attempts each
     client = pytest.importorskip("mlflow").MlflowClient(store)
     (run,) = client.search_runs(
         [client.get_experiment_by_name("raytrain-loops").experiment_id], "attributes.run_name = 'faulty'"
@@ -161,7 +164,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_a_loss_spi
     assert restored["checkpoint"].endswith("checkpoint_00000012")
     assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000018"]
     assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = _steps_in(run, "metrics.jsonl")
     # 13-18 redone from the intact checkpoint; one attempt up to the spike (a retry would log steps again).
     assert steps == list(range(1, 19)) + list(range(13, 23))
     # The redone step 18 got a directory of its own next to the damaged one; nothing after the spike.

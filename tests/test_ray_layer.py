@@ -4,6 +4,7 @@ must happen before Ray starts."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -236,7 +237,6 @@ def test_a_users_own_task_trains_through_the_python_api_and_its_run_name_continu
 def test_the_local_rays_train_controller_polls_its_workers_every_half_second(ray_session):
     """It takes one report per poll: at Ray's 2 s the default recipe ended 22 s after its last
     step, waiting for its reports' backlog. Every process of the local Ray has the setting."""
-    import os
 
     @ray_session.remote(num_cpus=0)
     def interval() -> str | None:
