@@ -26,7 +26,7 @@ def test_yaml_with_overrides_round_trips_through_a_plain_dict(tmp_path):
 @pytest.mark.parametrize(
     "override,key,fragment",
     [
-        ("precision.dtype=fp8", "precision.dtype", "one of 'fp32', 'bf16', 'fp16'"),
+        ("precision.dtype=fp8", "precision.dtype", "one of 'fp32', 'bf16', 'fp16', 'auto'"),
         ("optim.nme=sgd", "optim.nme", "did you mean 'name'"),
         ("nosuchsection.x=1", "nosuchsection", "unknown key"),
         ("accum.steps=0", "accum.steps", "must be >= 1"),

@@ -371,7 +371,7 @@ def test_the_lm_gpt_recipe_is_gpt2_small_shaped_and_sharded_block_by_block():
 
     config = load_config(builtin()["lm_gpt"])
     assert "GPT-2-small" in describe(builtin()["lm_gpt"])
-    assert (config.scaling.strategy, config.scaling.use_gpu, config.precision.dtype) == ("fsdp", True, "bf16")
+    assert (config.scaling.strategy, config.scaling.use_gpu, config.precision.dtype) == ("fsdp", True, "auto")
     assert config.compile.enabled and config.loss.reduction == "sum"
     task = build_task(config.task.name, config.task.params)
     assert (task.data, task.vocab, task.max_len) == ("generated", 50304, 1024)

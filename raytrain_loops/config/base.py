@@ -3,7 +3,7 @@
 Every config section is a ``@dataclass(kw_only=True, slots=True)`` whose fields carry a ``help``
 string in their metadata. Values are checked against the field's type annotation (``Literal``
 choices included) and every error names the full dotted key, so ``precision.dtype=fp8`` fails with
-``precision.dtype: must be one of 'fp32', 'bf16', 'fp16'; got 'fp8'``.
+``precision.dtype: must be one of 'fp32', 'bf16', 'fp16', 'auto'; got 'fp8'``.
 """
 
 from __future__ import annotations

@@ -105,7 +105,12 @@ class OptimConfig:
 class PrecisionConfig:
     """Autocast dtype and fp16 dynamic loss scaling."""
 
-    dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Autocast dtype for forward passes.")
+    dtype: Literal["fp32", "bf16", "fp16", "auto"] = opt(
+        "fp32",
+        "Autocast dtype for forward passes. auto: resolved on the workers' device at the run's first start "
+        "(bf16 on a GPU or CPU that computes it natively, fp16 with the loss scaler on an older GPU, fp32 on "
+        "other CPUs) and kept for the rest of the run.",
+    )
     init_scale: float = opt(2.0**16, "fp16: initial loss scale.")
     growth_interval: int = opt(2000, "fp16: steps without overflow before the scale doubles.")
     min_scale: float = opt(1e-4, "fp16: a loss scale below this stops training with an error.")

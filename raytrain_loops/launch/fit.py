@@ -16,7 +16,7 @@ import yaml
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
-from raytrain_loops.launch.rundir import Finished, RunLock, check_config, finished, record_changes
+from raytrain_loops.launch.rundir import PRECISION_FILE, Finished, RunLock, check_config, finished, record_changes
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.launch.tracking import Tracking, open_tracking, tracked
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
@@ -259,6 +259,31 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         return _train(config, task, splits, rows, name, run_dir, tracking)
 
 
+def warn_emulated_bf16(config: Config) -> bool:
+    """Before a local Ray starts (its workers run on this CPU), warn once of an explicit
+    ``precision.dtype=bf16`` that this CPU emulates; whether it warned. Joined to a cluster, the
+    workers' rank 0 warns instead: this machine's CPU is not theirs."""
+    if config.precision.dtype != "bf16" or config.scaling.use_gpu or os.environ.get("RAY_ADDRESS"):
+        return False
+    import sys
+
+    import torch
+
+    from raytrain_loops.engine import precision
+
+    hw = precision.hardware(torch.device("cpu"))
+    if hw.native_bf16:
+        return False
+    print(precision.emulated_warning(hw), file=sys.stderr, flush=True)
+    return True
+
+
+def _precision(run_dir: str) -> str | None:
+    """The dtype the run trained in, as its workers recorded it."""
+    text = storage.read_text(storage.join(run_dir, PRECISION_FILE))
+    return json.loads(text).get("dtype") if text else None
+
+
 def _finished_result(run_dir: str, done: Finished) -> FitResult:
     """What a rerun of a finished run returns: its summary, unchanged, and nothing trained."""
     metrics = done.summary.get("metrics", {})
@@ -280,6 +305,7 @@ def _train(
     from raytrain_loops.launch.console import Announcer, Console
 
     start = time.time()
+    warned = warn_emulated_bf16(config)
     with Console(run_dir, config.logging.verbose) as console, tracked(tracking, run_dir, name, config) as mlflow_run:
         ensure_ray(config)
         from raytrain_loops.launch.trainer import build_trainer
@@ -298,12 +324,19 @@ def _train(
             board=board,
             console=sender,
             tracking=mlflow_run,
+            precision_warned=warned,
         )
         result = fit_or_stop(trainer, board)
         wall = time.time() - start
         metrics = dict(result.metrics or {})
         checkpoint = result.checkpoint.path if result.checkpoint else None
-        summary = {"run_dir": run_dir, "wall_time_s": round(wall, 2), "checkpoint": checkpoint, "metrics": metrics}
+        summary = {
+            "run_dir": run_dir,
+            "wall_time_s": round(wall, 2),
+            "checkpoint": checkpoint,
+            "precision": _precision(run_dir),
+            "metrics": metrics,
+        }
         storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
         if not storage.is_uri(run_dir):
             from raytrain_loops.launch.plots import plot_run

@@ -22,6 +22,7 @@ from raytrain_loops.launch import storage
 
 LOCK = "driver.lock"
 CHANGES = "config_changes.jsonl"
+PRECISION_FILE = "precision.json"  # the dtype the run trains in (precision.dtype=auto resolved at its first start)
 # What a rerun may change: where and how the run executes (compilation and activation
 # checkpointing included: they change how blocks compute, not the state a checkpoint holds), and
 # how long it runs. Everything else shapes the state in the checkpoints (model, optimizer, data,

@@ -108,12 +108,14 @@ def build_trainer(
     board: StopBoard,
     console: Sender | None = None,
     tracking: TrackedRun | None = None,
+    precision_warned: bool = False,
 ) -> TorchTrainer:
     """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
     is where its workers post a stop (read it back with :func:`~raytrain_loops.launch.stops.fit_or_stop`);
     ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout);
-    ``tracking``, the MLflow run rank 0 logs to."""
+    ``tracking``, the MLflow run rank 0 logs to; ``precision_warned``, that the driver warned of an
+    emulated bf16 (rank 0 warns otherwise)."""
     datasets = {
         split_name: parquet_dataset(split, config)
         for split_name, split in splits.items()
@@ -123,7 +125,9 @@ def build_trainer(
     # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
     # copies the driver's DataContext when the trainer is built.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    payload = WorkerPayload(config, task, splits, rows, run_dir, board, init_checkpoint, console, tracking)
+    payload = WorkerPayload(
+        config, task, splits, rows, run_dir, board, init_checkpoint, console, tracking, precision_warned
+    )
     return TorchTrainer(
         functools.partial(train_loop_per_worker, payload),
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),

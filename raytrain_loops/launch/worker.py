@@ -10,6 +10,7 @@ the profiler. See docs/architecture.md for the whole path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import ray.train.torch
 import torch
 
 from raytrain_loops.config import Config
-from raytrain_loops.engine import Engine, dist, sharding, unwrap
+from raytrain_loops.engine import Engine, dist, precision, sharding, unwrap
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
@@ -32,6 +33,7 @@ from raytrain_loops.launch.console import Sender
 from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.profile import Profile
+from raytrain_loops.launch.rundir import PRECISION_FILE
 from raytrain_loops.launch.runlog import RunLog
 from raytrain_loops.launch.stops import StopBoard
 from raytrain_loops.launch.tracking import MlflowLog, TrackedRun
@@ -54,12 +56,39 @@ class WorkerPayload:
     init_checkpoint: str | None = None
     console: Sender | None = None
     tracking: TrackedRun | None = None
+    precision_warned: bool = False  # the driver warned of an emulated bf16 before Ray started
 
 
 def _set_threads(config: Config) -> None:
     threads = config.scaling.threads_per_worker or max(1, int(config.scaling.cpus_per_worker))
     os.environ["OMP_NUM_THREADS"] = str(threads)  # Ray does not set it
     torch.set_num_threads(threads)
+
+
+def _resolve_precision(payload: WorkerPayload, rank: int, sender: Sender) -> Config:
+    """The config with ``precision.dtype=auto`` resolved on this group's device (rank 0 decides;
+    a run that resolved it before keeps that dtype, recorded in ``precision.json``), announced on
+    the console by rank 0, with a warning for an explicit bf16 that this CPU emulates."""
+    config, run_dir = payload.config, payload.run_dir
+    requested = config.precision.dtype
+    device = ray.train.torch.get_device()
+    record_path = storage.join(run_dir, PRECISION_FILE)
+    recorded = None
+    if rank == 0 and requested == "auto" and payload.init_checkpoint is None:
+        text = storage.read_text(record_path)
+        earlier = json.loads(text) if text else {}
+        if earlier.get("requested") == "auto":
+            recorded = earlier.get("dtype")
+    dtype, reason = precision.decide(requested, device, recorded)
+    if rank == 0:
+        hw = precision.hardware(device)
+        if requested == "auto":
+            sender.send("start", f"precision: auto -> {dtype} ({reason})")
+        elif dtype == "bf16" and hw.kind == "cpu" and not hw.native_bf16 and not payload.precision_warned:
+            sender.send("start", precision.emulated_warning(hw))
+        record = {"requested": requested, "dtype": dtype, "reason": reason, "device": hw.name}
+        storage.write_text(record_path, json.dumps(record) + "\n")
+    return dataclasses.replace(config, precision=dataclasses.replace(config.precision, dtype=dtype))
 
 
 def _prepare_model(
@@ -138,9 +167,11 @@ def _callbacks(
 
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
-    config, task, run_dir = payload.config, payload.task, payload.run_dir
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    sender = payload.console or Sender(None)
+    payload = dataclasses.replace(payload, config=_resolve_precision(payload, rank, sender))
+    config, task, run_dir = payload.config, payload.task, payload.run_dir
     _set_threads(config)
 
     seed_everything(config.loop.seed)  # identical initial weights on every worker
@@ -174,7 +205,6 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     )
     reporter = RayReporter(engine, rank, world, run_dir)
     position = reporter.restore(payload.init_checkpoint) or Position()
-    sender = payload.console or Sender(None)
     if rank == 0:
         _announce_start(reporter, engine, config, world, scale, sender, run_dir)
     callbacks = _callbacks(payload, engine, faults, sender, rank, world, total, plain)
