@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config import load_config
-from raytrain_loops.engine import Engine
+from raytrain_loops.engine import Engine, precision
 from raytrain_loops.engine.precision import DTYPES
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import LMTask
@@ -291,8 +291,8 @@ def strategy_table(args) -> None:
     if cuda:
         sample = load_batches(task, data_dir)[: args.batches]
         flops_per_token = flops_per_step(task, sample) / (sum(b[2] for b in sample) / len(sample))
-    name = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
-    print(f"{world} x {name} (peak {peak:g} TFLOP/s dense bf16 each), torch {torch.__version__}, model {size}")
+    name = device_line(torch.device("cuda" if cuda else "cpu"))
+    print(f"{world} x {name}, peak {peak:g} TFLOP/s dense bf16 each, torch {torch.__version__}, model {size}")
     print(
         f"{'strategy':>8} {'compile':>7} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>7}"
     )
@@ -321,6 +321,13 @@ def strategy_table(args) -> None:
                 f"{r['tok_s']:>10.0f} {mfu:>6.1%} {r['mem_gib']:>7.1f}",
                 flush=True,
             )
+
+
+def device_line(device: torch.device) -> str:
+    """The device's name, whether it computes bf16 natively and what precision.dtype=auto makes of it."""
+    hw = precision.hardware(device)
+    native = "native" if hw.native_bf16 else "no native"
+    return f"{hw.name} ({native} bf16: precision.dtype=auto -> {precision.resolve('auto', hw)[0]})"
 
 
 def main() -> None:
@@ -354,7 +361,7 @@ def main() -> None:
     peak = peak_tflops(args.peak_tflops)
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
     print(
-        f"{torch.cuda.get_device_name()} (peak {peak:g} TFLOP/s dense bf16), torch {torch.__version__}, "
+        f"{device_line(torch.device('cuda'))}, peak {peak:g} TFLOP/s dense bf16, torch {torch.__version__}, "
         f"stdlib {Path(sysconfig.get_paths()['stdlib']).name}, compile={args.compile}"
     )
     header = f"{'model':>6} {'params':>7} {'dtype':>5} {'tokens':>7} {'bare ms':>8} {'engine ms':>9} "

@@ -22,7 +22,7 @@ from torch import nn
 
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput
-from raytrain_loops.engine.precision import DTYPES
+from raytrain_loops.engine.precision import DTYPES, hardware, resolve
 
 
 def mlp() -> nn.Module:
@@ -96,8 +96,11 @@ def main() -> None:
     batches = [
         (torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(16)
     ]
+    hw = hardware(torch.device("cpu"))
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, MLP 256-1024-1024-10, micro-batch {args.batch}"
+        f"{hw.name} ({'native' if hw.native_bf16 else 'no native'} bf16: precision.dtype=auto -> "
+        f"{resolve('auto', hw)[0]}), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"MLP 256-1024-1024-10, micro-batch {args.batch}"
     )
     print(f"{'precision':>9} {'K':>2} {'bare ms':>9} {'engine ms':>10} {'engine/bare':>12}")
     ratios = []

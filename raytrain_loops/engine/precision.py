@@ -25,7 +25,7 @@ RESOLVED = ("fp32", "bf16", "fp16")  # what ``auto`` becomes: the order is the c
 # What bf16 costs where it is emulated: scripts/bench_step.py's MLP step on an AVX2 CPU without
 # native bf16 (AMD EPYC, 2 cores) took 408 ms in bf16 against 22.7 ms in fp32; the lm recipe's
 # update 6.5 s against 0.74-0.92 s.
-EMULATED_SLOWDOWN = "7-18x slower than fp32 (measured on an AVX2 CPU)"
+EMULATED_SLOWDOWN = "7-18x slower than fp32 as measured on AVX2 CPUs"
 
 
 def autocast(cfg: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -97,7 +97,7 @@ def resolve(requested: str, hw: Hardware) -> tuple[str, str]:
     if hw.kind == "cpu":
         if hw.native_bf16:
             return "bf16", f"{hw.name} with native bf16 (AVX512-BF16, AMX or Arm BF16)"
-        return "fp32", f"{hw.name} without native bf16, where bf16 is emulated, {EMULATED_SLOWDOWN}"
+        return "fp32", f"{hw.name} without native bf16: bf16 would be emulated, {EMULATED_SLOWDOWN}"
     return "fp32", f"no bf16 rule for {hw.kind} devices"
 
 
