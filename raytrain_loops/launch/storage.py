@@ -87,9 +87,12 @@ def truncate(path: str, length: int) -> None:
     Never half done: a local file is cut in place (one system call), an object is replaced whole
     by one upload, so a crash leaves the file as it was or as cut, its first bytes always there."""
     if is_uri(path):
-        data = read_bytes(path)
-        if data is not None and len(data) > length:
-            write_bytes(path, data[:length])
+        import pyarrow.fs as pafs
+
+        fs, p = _fs(path)
+        info = fs.get_file_info(p)
+        if info.type == pafs.FileType.File and info.size > length:  # read only a file to cut
+            write_bytes(path, read_bytes(path)[:length])
         return
     if os.path.exists(path) and os.path.getsize(path) > length:
         os.truncate(path, length)
