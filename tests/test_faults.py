@@ -18,6 +18,7 @@ from raytrain_loops.launch.errors import TrainingStopped
 from raytrain_loops.launch.tracking import RUN_ID_FILE
 from raytrain_loops.recipes import resolve
 from tests.recording import counted_batches
+from tests.runfiles import records, tb_scalars
 
 pytestmark = pytest.mark.ray
 
@@ -40,8 +41,8 @@ def _overrides(tmp_path: Path, name: str, record: Path, *extra: str) -> list[str
 
 
 def _steps_in(run_dir: Path, log: str) -> list[int]:
-    """The step of each line of a run's ``metrics.jsonl`` or ``eval.jsonl``, in file order."""
-    return [json.loads(line)["step"] for line in (run_dir / log).read_text().splitlines()]
+    """The step of each line of one of a run's logs (``metrics.jsonl``...), in file order."""
+    return [r["step"] for r in records(run_dir / log)]
 
 
 def _state(result) -> dict:
@@ -120,10 +121,19 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
         assert max(seen.values()) == 1, f"epoch {epoch}: a row was used twice"
     assert sum(per_epoch[1].values()) == 10 * 2 * 2 * 32  # a full epoch: 10 updates x 2 micro x 2 workers
 
-    # The run's own logs keep every attempt's lines; MLflow has one run, each step once.
+    # Each restart cut the run's logs back to its checkpoint: they, TensorBoard and MLflow (one
+    # run) hold each step once, with the values of the run without faults.
     run_dir = Path(faulty.run_dir)
-    assert _steps_in(run_dir, "metrics.jsonl") == list(range(1, 16)) + list(range(13, 28)) + list(range(25, 37))
-    assert _steps_in(run_dir, "eval.jsonl") == [13, 13, 26, 26, 36]  # steps 13 and 26 evaluated by two attempts each
+    assert _steps_in(run_dir, "metrics.jsonl") == list(range(1, 37))
+    assert [r["loss"] for r in records(run_dir / "metrics.jsonl")] == [
+        r["loss"] for r in records(Path(clean.run_dir) / "metrics.jsonl")
+    ]
+    assert _steps_in(run_dir, "eval.jsonl") == [13, 26, 36]  # steps 13 and 26 evaluated by two attempts each
+    assert _steps_in(run_dir, "epochs.jsonl") == [10, 20, 30]
+    scalars = tb_scalars(run_dir / "tb")
+    assert [s for s, _ in scalars["train/loss"]] == list(range(2, 37, 2))
+    assert [s for s, _ in scalars["eval/accuracy"]] == [13, 26, 36]
+    assert [s for s, _ in scalars["epoch/loss"]] == [0, 1, 2]
     client = pytest.importorskip("mlflow").MlflowClient(store)
     (run,) = client.search_runs(
         [client.get_experiment_by_name("raytrain-loops").experiment_id], "attributes.run_name = 'faulty'"
@@ -164,9 +174,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_a_loss_spi
     assert restored["checkpoint"].endswith("checkpoint_00000012")
     assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000018"]
     assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
-    steps = _steps_in(run, "metrics.jsonl")
-    # 13-18 redone from the intact checkpoint; one attempt up to the spike (a retry would log steps again).
-    assert steps == list(range(1, 19)) + list(range(13, 23))
+    # 13-18 redone from the intact checkpoint, in one attempt up to the spike (a retry would run
+    # steps again); the log holds them in place of the first run's.
+    ran = [r["step"] for r in records(record / "ids.rank0.jsonl") if r["micro"] == 0]
+    assert ran == list(range(1, 19)) + list(range(13, 23))
+    assert _steps_in(run, "metrics.jsonl") == list(range(1, 23))
     # The redone step 18 got a directory of its own next to the damaged one; nothing after the spike.
     checkpoints = sorted(p.name for p in run.glob("checkpoint_0*"))
     assert checkpoints == ["checkpoint_00000018", "checkpoint_00000018-2"]  # checkpoint.keep=2

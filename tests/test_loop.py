@@ -16,8 +16,10 @@ from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine.guards import LossSpikeError, NonFiniteError
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position, SpikeGuard
+from raytrain_loops.launch.runlog import RunLog
 from tests import fakes
 from tests.gloo import run_gloo
+from tests.runfiles import records, tb_scalars
 
 BATCH = 4
 
@@ -347,3 +349,57 @@ def test_a_run_stopped_inside_an_epoch_by_max_steps_leaves_its_sums_to_a_longer_
     rerun = EpochRecords()
     _run(*base, "loop.max_steps=6", model=fakes.make_model(seed=9), state=state, position=position, callbacks=[rerun])
     assert _untimed(rerun.records) == _untimed(whole.records[1:])
+
+
+class Crash(Callback):
+    """Ends the run (as a killed worker would) at the logging interval of step ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_interval(self, metrics, step):
+        if step == self.step:
+            raise RuntimeError(f"crashed at step {step}")
+
+
+# 4 steps an epoch; the checkpoint at step 4 comes before epoch 0's end and its evaluation.
+REPLAY = ["loop.epochs=3", "accum.steps=1", "eval.every_steps=0", "checkpoint.every_steps=4", "logging.every_steps=2"]
+
+
+def _logged(run_dir):
+    """A run log's files, without the wall-clock fields."""
+    untimed = lambda r: {k: v for k, v in r.items() if "time" not in k and "_per_s" not in k}  # noqa: E731
+    logs = {
+        name: [untimed(r) for r in records(run_dir / name)] for name in ("metrics.jsonl", "eval.jsonl", "epochs.jsonl")
+    }
+    scalars = tb_scalars(run_dir / "tb")
+    return logs, {tag: v for tag, v in scalars.items() if "time" not in tag and "_per_s" not in tag}
+
+
+def test_a_run_resumed_from_a_checkpoint_logs_each_step_epoch_and_evaluation_once(tmp_path):
+    def log(run_dir, **kw):
+        return RunLog(str(run_dir), rank=0, total_steps=12, progress=False, **kw)
+
+    _run(*REPLAY, batches=4, callbacks=[log(tmp_path / "straight")])
+    # The first attempt crashes at step 6, after writing epoch 0's end and evaluation (at step
+    # 4, after the checkpoint) and steps 5-6; everything it wrote is in the files.
+    loop, _, reporter = _loop(*REPLAY, batches=4, callbacks=[log(tmp_path / "run"), Crash(6)])
+    with pytest.raises(RuntimeError, match="crashed at step 6"):
+        loop.run()
+    state, position = reporter.saved[4]
+    assert position == Position(0, 4)  # epoch 0 has yet to end
+    assert [r["step"] for r in records(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    # The resumed attempt keeps what was written up to the checkpoint, then writes the rest.
+    kept = state["callbacks"]["RunLog"]["files"]
+    resumed = log(tmp_path / "run", start_step=4, kept=kept)
+    _run(*REPLAY, batches=4, model=fakes.make_model(seed=9), state=state, position=position, callbacks=[resumed])
+
+    logs, scalars = _logged(tmp_path / "run")
+    assert [r["step"] for r in logs["metrics.jsonl"]] == list(range(1, 13))
+    assert [(r["step"], r["epoch"]) for r in logs["eval.jsonl"]] == [(4, 1), (8, 2), (12, 3)]
+    assert [(r["epoch"], r["step"]) for r in logs["epochs.jsonl"]] == [(0, 4), (1, 8), (2, 12)]
+    assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in scalars["eval/mse"]] == [4, 8, 12]
+    assert [s for s, _ in scalars["epoch/loss"]] == [0, 1, 2]  # by epoch
+    # The uninterrupted run's records, value for value.
+    assert (logs, scalars) == _logged(tmp_path / "straight")

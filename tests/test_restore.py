@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.launch.checkpoints import RayReporter, candidates
+from raytrain_loops.launch.runlog import RunLog, kept_files
 from tests import fakes
 from tests.gloo import run_gloo
+from tests.runfiles import records, tb_scalars
 
 
 def _engine(seed: int = 0) -> Engine:
@@ -27,11 +30,13 @@ def _engine(seed: int = 0) -> Engine:
     return Engine(model, fakes.mean_loss, load_config(None).engine, total_steps=100)
 
 
-def _write_checkpoint(run_dir: Path, step: int, world: int, seed: int = 0) -> Path:
+def _write_checkpoint(run_dir: Path, step: int, world: int, seed: int = 0, callbacks: dict | None = None) -> Path:
     """A checkpoint as the workers of a ``world``-sized group write it (what RayReporter.report
-    writes, without Ray): rank 0 the shared state, every rank its RNG and data position."""
+    writes, without Ray): rank 0 the shared state (with ``callbacks``, the callbacks' states),
+    every rank its RNG and data position."""
     engine = _engine(seed)
     engine.step = step
+    engine.callback_state = callbacks or {}
     d = run_dir / f"checkpoint_{step:08d}"
     for rank in range(world):
         state = engine.state_dict()
@@ -62,6 +67,42 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_from_the_beginning(tmp_p
     assert again.restore_from(candidates(str(run), None), init_checkpoint=str(donor)) == Position(0, 4)
     assert again.engine.step == 4 and again.loaded["checkpoint"] == str(donor)
     assert len(again.loaded["skipped"]) == 1 and f"starting from {donor}" in capsys.readouterr().out
+
+
+def test_a_run_log_keeps_what_the_runs_own_checkpoint_recorded_and_nothing_when_the_run_starts_again(tmp_path):
+    run = tmp_path / "run"
+    step = SimpleNamespace(loss=1.0, lr=0.1, grad_norm=1.0, sample_size=8, applied=True, skipped=None, compute_time=0)
+    first = RunLog(str(run), rank=0, total_steps=8, progress=False)
+    for s in range(1, 7):
+        first.on_step(step, s, 0)
+        first.on_interval({"loss": 1.0}, s)
+        if s == 4:
+            first.before_checkpoint()
+            recorded = first.state_dict()["files"]
+    first.close()
+    _write_checkpoint(run, 4, world=1, callbacks={"RunLog": {"files": recorded}})
+    donor = _write_checkpoint(tmp_path / "donor", 4, world=1, callbacks={"RunLog": {"files": {"metrics.jsonl": 10**6}}})
+
+    def kept(init: Path | None = None) -> dict[str, int] | None:
+        reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+        reporter.restore_from(candidates(str(run), None), init_checkpoint=init and str(init))
+        return kept_files(reporter.loaded, reporter.engine.callback_state)
+
+    assert kept() == kept(donor) == recorded  # the run's own checkpoint, whatever it was started from
+    _cut(run / "checkpoint_00000004" / ckpt.STATE)
+    # From another run's checkpoint, or from the beginning: every record comes again.
+    assert kept(donor) == kept() == kept_files(None, {}) == {}
+    assert kept_files({"checkpoint": "c"}, {"RunLog": {"smoother": {}}}) is None  # no lengths recorded: keep all
+
+    resumed = RunLog(str(run), rank=0, total_steps=8, progress=False, start_step=4, kept=recorded)
+    resumed.close()
+    assert [r["step"] for r in records(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [s for s, _ in tb_scalars(run / "tb")["train/loss"]] == [1, 2, 3, 4]
+    fresh = RunLog(str(run), rank=0, total_steps=8, progress=False, kept={})
+    fresh.on_step(step, 1, 0)
+    fresh.close()
+    assert [r["step"] for r in records(run / "metrics.jsonl")] == [1]
+    assert not tb_scalars(run / "tb") and len(list((run / "tb").iterdir())) == 1  # the new attempt's, empty
 
 
 def test_a_run_whose_checkpoints_are_whole_but_refused_by_the_loader_stops_instead_of_starting_over(tmp_path):

@@ -21,6 +21,7 @@ from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.rundir import RunLock, RunLocked
 from raytrain_loops.launch.runlog import RunLog
+from tests.runfiles import tb_scalars
 
 
 # A real S3 API on this machine: moto's server on a free port, with a bucket.
@@ -81,23 +82,31 @@ def _step(loss: float) -> SimpleNamespace:
     )
 
 
-def test_the_run_log_on_a_bucket_continues_across_attempts(s3_root):
+def test_the_run_log_on_a_bucket_continues_from_the_checkpoint_the_next_attempt_resumes_from(s3_root, tmp_path):
     run = storage.join(s3_root, "run")
     first = RunLog(run, rank=0, total_steps=8, progress=False)
-    for step in range(1, 5):
+    for step in range(1, 7):
         first.on_step(_step(1.0 / step), step, 0)
-    first.on_eval({"eval_accuracy": 0.5}, 4, 0)
-    first.before_checkpoint()  # uploaded with the checkpoint of step 4; then the worker is killed
-
-    second = RunLog(run, rank=0, total_steps=8, progress=False, start_step=4)  # the restarted attempt
+        first.on_interval({"loss": 1.0 / step}, step)
+        if step in (4, 6):
+            first.on_eval({"eval_accuracy": step / 10}, step, 0)
+            first.before_checkpoint()  # uploaded with the checkpoint of this step
+        if step == 4:
+            state = first.state_dict()
+    # Killed before the checkpoint of step 6 was written: the next attempt resumes from step 4.
+    second = RunLog(run, rank=0, total_steps=8, progress=False, start_step=4, kept=state["files"])
     for step in range(5, 9):
         second.on_step(_step(1.0 / step), step, 0)
+        second.on_interval({"loss": 1.0 / step}, step)
     second.on_eval({"eval_accuracy": 0.7}, 8, 0)
     second.close()
     steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
     assert steps == list(range(1, 9))
     evals = [json.loads(line) for line in storage.read_text(storage.join(run, "eval.jsonl")).splitlines()]
-    assert [e["eval_accuracy"] for e in evals] == [0.5, 0.7]
+    assert [(e["step"], e["eval_accuracy"]) for e in evals] == [(4, 0.4), (8, 0.7)]
+    scalars = tb_scalars(Path(storage.download_dir(storage.join(run, "tb"), str(tmp_path / "tb"))))
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+    assert [s for s, _ in scalars["eval/accuracy"]] == [4, 8]
     assert not os.path.exists(second.local_dir)  # closed: its local copy is gone
 
 
@@ -202,11 +211,12 @@ def test_a_run_in_a_bucket_survives_a_killed_worker_keeps_its_log_and_is_not_rer
     # The log is uploaded before each checkpoint is reported, and the checkpoint itself after it,
     # in the background. The kill at step 6 nearly always comes after checkpoint 4's upload, and the
     # second attempt continues from it; under load it can come first, and the run starts again.
-    # Either way the log holds the first attempt's uploaded lines (1-4) and then the second's.
+    # Either way the log holds each step once: the lines the first attempt uploaded (1-4) stay
+    # when the second resumes from checkpoint 4, and go when the run starts again.
     restored = json.loads(storage.read_text(storage.join(run, "init.json")) or "{}").get("checkpoint")
-    start = {None: 0, "checkpoint_00000004": 4}[restored and storage.name(restored)]
+    assert restored is None or storage.name(restored) == "checkpoint_00000004"
     steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
-    assert steps == list(range(1, 5)) + list(range(start + 1, 13))
+    assert steps == list(range(1, 13))
     best = json.loads(storage.read_text(storage.join(run, "best", "best.json")))
     assert len(best) == 2 and all(f"best/{e['checkpoint']}/state.pt" in files for e in best)
     # The newest and the one before (4 too, when the kill came before Ray had registered it).

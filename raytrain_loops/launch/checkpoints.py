@@ -119,6 +119,7 @@ class RayReporter:
                 )
             if position is None and init_checkpoint:
                 position = self._load(ray.train.Checkpoint(init_checkpoint), skipped)
+                self.loaded["init"] = True  # another run's checkpoint: this run starts from it
         except Exception as err:  # every worker learns of it below, instead of waiting on the others
             failure = err
         if position is None and failure is None and skipped:

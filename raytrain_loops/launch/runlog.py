@@ -4,6 +4,14 @@ progress line.
 A loop :class:`~raytrain_loops.engine.loop.Callback`. On every other rank its methods write
 nothing, so every worker runs the same loop; every rank keeps the progress line's smoothing
 (the interval metrics are the same on every worker), so its state is too.
+
+Each record is in the files once, whatever restarts happen. At every checkpoint rank 0 records
+the length of each of its files (the JSON lines and TensorBoard's event files) in its state,
+which the checkpoint saves. A run that resumes from that checkpoint cuts every file back to its
+recorded length and removes the event files written after it, so exactly the records written
+before the checkpoint stay, and the steps it replays are written once more. The lengths, not
+the steps, mark the cut: an epoch that ends at the checkpoint's step, and the evaluation that
+follows it, are written after that checkpoint and replayed from it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from raytrain_loops.launch import storage
 from raytrain_loops.launch.console import Sender
 
 LOGS = ("metrics.jsonl", "eval.jsonl", "epochs.jsonl")
+TB = "tb"  # TensorBoard's event files, one per attempt
 # Metrics the progress line shows in places of their own, or not at all; the rest are the loss
 # and the criterion's terms and logs (a weighted term's ``_unscaled`` copy is left out too).
 NOT_TERMS = (
@@ -50,10 +59,26 @@ def _throughput(metrics: dict[str, float]) -> str:
     return "".join(f", {part}" for part in shown)
 
 
+def kept_files(loaded: dict[str, Any] | None, callback_state: dict[str, Any]) -> dict[str, int] | None:
+    """What a run's log keeps of the files its earlier attempts wrote (:class:`RunLog`'s
+    ``kept``), given what the restore loaded (``RayReporter.loaded``) and the restored callback
+    states: the lengths the run's own checkpoint recorded; nothing (``{}``) when the run starts
+    from step 0 (no checkpoint, or every one damaged) or from another run's checkpoint (a PBT
+    donor's), since every record in the files then comes again; None (every file kept whole)
+    for a checkpoint that recorded no lengths."""
+    if not loaded or not loaded["checkpoint"] or loaded.get("init"):
+        return {}
+    return (callback_state.get(RunLog.__name__) or {}).get("files")
+
+
 class RunLog(Callback):
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` (one per evaluation),
     ``epochs.jsonl`` (one per finished epoch: its averages over all workers) and ``tb/`` for
-    rank 0, and prints the progress line, its values smoothed as ``smoothing`` says."""
+    rank 0, and prints the progress line, its values smoothed as ``smoothing`` says.
+
+    ``kept``: the length in bytes of each file (relative to the run directory) to keep from the
+    run's earlier attempts, as the checkpoint the run resumes from recorded it (:func:`kept_files`);
+    a file it does not name is removed (a log emptied); None keeps every file whole."""
 
     # Where the progress and evaluation lines go: the driver's console (set by the worker to the
     # run's :class:`~raytrain_loops.launch.console.Sender`), else this process's stdout.
@@ -69,6 +94,7 @@ class RunLog(Callback):
         workers: int = 1,
         smoothing: SmoothingConfig | None = None,
         steps_per_interval: int = 1,
+        kept: dict[str, int] | None = None,
     ):
         self.enabled = rank == 0
         self.workers = workers
@@ -83,6 +109,12 @@ class RunLog(Callback):
         self.remote = storage.is_uri(run_dir)
         self.local_dir = storage.scratch_dir("log") if self.remote else run_dir
         os.makedirs(self.local_dir, exist_ok=True)
+        if kept is not None:
+            self._cut(kept)
+        # Each file's length at the last checkpoint (the state saved with it): the earlier
+        # attempts' event files stay as they are; this attempt's files are measured each time.
+        tb_dir = storage.join(run_dir, TB)
+        self.lengths = {f"{TB}/{n}": size for n, size in storage.file_sizes(tb_dir).items()}
         if self.remote:
             self._continue_remote_logs()
         # Held open for the whole run (one line per step) and closed in close().
@@ -91,9 +123,24 @@ class RunLog(Callback):
         self._epochs = open(os.path.join(self.local_dir, "epochs.jsonl"), "a")  # noqa: SIM115
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(self.local_dir, "tb"))
+        self._tb = SummaryWriter(os.path.join(self.local_dir, TB))
         self._t0 = time.perf_counter()
         self._start_step = start_step
+        self._measure()
+
+    def _cut(self, kept: dict[str, int]) -> None:
+        """Cut the run directory's files back to the lengths in ``kept``, and remove the event
+        files it does not name: each file is cut in one step (:func:`storage.truncate`), so a
+        crash here leaves every record written before the checkpoint in place."""
+        for name in LOGS:
+            storage.truncate(storage.join(self.run_dir, name), kept.get(name, 0))
+        tb_dir = storage.join(self.run_dir, TB)
+        for name in storage.file_sizes(tb_dir):
+            path = storage.join(tb_dir, name)
+            if f"{TB}/{name}" in kept:
+                storage.truncate(path, kept[f"{TB}/{name}"])
+            else:
+                storage.delete(path)
 
     def _continue_remote_logs(self) -> None:
         """Start from the lines an earlier attempt (or run) uploaded, so that the upload at the
@@ -124,7 +171,12 @@ class RunLog(Callback):
         self._steps.write(json.dumps(record) + "\n")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"smoother": self.smoother.state_dict()}
+        """The smoother's state; on rank 0 (whose state the checkpoint saves), with the length of
+        each file at the last checkpoint (``files``), where a run resumed from it cuts them."""
+        state: dict[str, Any] = {"smoother": self.smoother.state_dict()}
+        if self.enabled:
+            state["files"] = dict(self.lengths)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.smoother.load_state_dict(state.get("smoother") or {})
@@ -193,12 +245,22 @@ class RunLog(Callback):
             self.sender.send(kind, text, **data)
 
     def before_checkpoint(self) -> None:
-        """Flush, and copy to the run directory when it is remote."""
+        """Flush, record each file's length (for :meth:`state_dict`), and copy the files to the
+        run directory when it is remote."""
         if not self.enabled:
             return
-        self._steps.flush()
-        self._tb.flush()
+        self._measure()
         storage.upload_dir(self.local_dir, self.run_dir)
+
+    def _measure(self) -> None:
+        """Flush every file, and record its length."""
+        for f in (self._steps, self._evals, self._epochs):
+            f.flush()
+        self._tb.flush()
+        for name in LOGS:
+            self.lengths[name] = os.path.getsize(os.path.join(self.local_dir, name))
+        for name, size in storage.file_sizes(os.path.join(self.local_dir, TB)).items():
+            self.lengths[f"{TB}/{name}"] = size
 
     def close(self) -> None:
         if not self.enabled:

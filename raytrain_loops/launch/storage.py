@@ -57,17 +57,45 @@ def exists(path: str) -> bool:
     return os.path.exists(path)
 
 
-def list_dirs(base: str) -> list[str]:
-    """The directories directly under ``base`` (local or URI), as full paths; [] if none."""
+def _entries(base: str) -> list[tuple[str, int | None]]:
+    """What is directly under ``base`` (local or URI): (name, size in bytes), the size None for
+    a directory; [] if ``base`` is not there."""
     if is_uri(base):
         import pyarrow.fs as pafs
 
         fs, root = pafs.FileSystem.from_uri(base)
         infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-        return [join(base, i.base_name) for i in infos if i.type == pafs.FileType.Directory]
+        return [(i.base_name, None if i.type == pafs.FileType.Directory else i.size) for i in infos]
     if not os.path.isdir(base):
         return []
-    return [os.path.join(base, n) for n in os.listdir(base) if os.path.isdir(os.path.join(base, n))]
+    return [(e.name, None if e.is_dir() else e.stat().st_size) for e in os.scandir(base)]
+
+
+def list_dirs(base: str) -> list[str]:
+    """The directories directly under ``base`` (local or URI), as full paths; [] if none."""
+    return [join(base, n) if is_uri(base) else os.path.join(base, n) for n, size in _entries(base) if size is None]
+
+
+def file_sizes(base: str) -> dict[str, int]:
+    """The files directly under ``base`` (local or URI): name -> size in bytes; {} if none."""
+    return {n: size for n, size in _entries(base) if size is not None}
+
+
+def truncate(path: str, length: int) -> None:
+    """Keep the first ``length`` bytes of a file (local or URI); nothing if it is not longer.
+
+    Never half done: a local file is cut in place (one system call), an object is replaced whole
+    by one upload, so a crash leaves the file as it was or as cut, its first bytes always there."""
+    if is_uri(path):
+        import pyarrow.fs as pafs
+
+        fs, p = _fs(path)
+        info = fs.get_file_info(p)
+        if info.type == pafs.FileType.File and info.size > length:  # read only a file to cut
+            write_bytes(path, read_bytes(path)[:length])
+        return
+    if os.path.exists(path) and os.path.getsize(path) > length:
+        os.truncate(path, length)
 
 
 def _fs(path: str):

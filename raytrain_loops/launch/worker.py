@@ -34,7 +34,7 @@ from raytrain_loops.launch.errors import Stopped
 from raytrain_loops.launch.faults import Faults
 from raytrain_loops.launch.profile import Profile
 from raytrain_loops.launch.rundir import PRECISION_FILE
-from raytrain_loops.launch.runlog import RunLog
+from raytrain_loops.launch.runlog import RunLog, kept_files
 from raytrain_loops.launch.stops import StopBoard
 from raytrain_loops.launch.tracking import MlflowLog, TrackedRun
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
@@ -137,9 +137,11 @@ def _callbacks(
     world: int,
     total: int,
     plain: torch.nn.Module,
+    loaded: dict | None,
 ):
-    """The loop callbacks of a Ray run: the run log, the spike guard, faults, throughput (its FLOPs
-    counted on ``plain``, the model as the task built it), the profiler and, when tracked, MLflow."""
+    """The loop callbacks of a Ray run: the run log (keeping of the earlier attempts' files what
+    the restore, ``loaded``, says), the spike guard, faults, throughput (its FLOPs counted on
+    ``plain``, the model as the task built it), the profiler and, when tracked, MLflow."""
     config, task = payload.config, payload.task
     log = RunLog(
         payload.run_dir,
@@ -150,6 +152,7 @@ def _callbacks(
         world,
         config.logging.smoothing,
         config.logging.every_steps,
+        kept_files(loaded, engine.callback_state),
     )
     log.sender = sender
     counts = task.counts if task.count_keys else None
@@ -207,7 +210,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     position = reporter.restore(payload.init_checkpoint) or Position()
     if rank == 0:
         _announce_start(reporter, engine, config, world, scale, sender, run_dir)
-    callbacks = _callbacks(payload, engine, faults, sender, rank, world, total, plain)
+    callbacks = _callbacks(payload, engine, faults, sender, rank, world, total, plain, reporter.loaded)
     loop = Loop(engine, source, reporter, LoopSettings.of(config), task.evaluate, callbacks, scale, task.eval_metrics)
     try:
         loop.run(position)
