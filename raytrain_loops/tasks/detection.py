@@ -200,31 +200,23 @@ def coco_box_map(
     if not len(dets):
         return (0.0,) * 3
 
-    def xywh(b: np.ndarray) -> list[float]:
-        return [float(b[0]), float(b[1]), float(b[2] - b[0]), float(b[3] - b[1])]
+    def xywh(xyxy: np.ndarray) -> list[list[float]]:
+        return np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1).tolist()
 
-    objects = []
-    for i, (k, g) in enumerate(zip(gt_ids, gts, strict=True)):
-        box = xywh(g[1:])
-        # Annotation ids from 1: COCOeval takes a matched id of 0 for no match.
-        objects.append(
-            {
-                "id": i + 1,
-                "image_id": int(k),
-                "category_id": int(g[0]),
-                "bbox": box,
-                "area": box[2] * box[3],
-                "iscrowd": 0,
-            }
-        )
-    results = [
-        {"image_id": int(k), "category_id": int(d[0]), "score": float(d[1]), "bbox": xywh(d[2:])}
-        for k, d in zip(det_ids, dets, strict=True)
+    # Annotation ids from 1: COCOeval takes a matched id of 0 for no match.
+    gt_columns = zip(gt_ids.tolist(), gts[:, 0].astype(int).tolist(), xywh(gts[:, 1:]), strict=True)
+    objects = [
+        {"id": i + 1, "image_id": k, "category_id": c, "bbox": box, "area": box[2] * box[3], "iscrowd": 0}
+        for i, (k, c, box) in enumerate(gt_columns)
     ]
+    det_columns = zip(
+        det_ids.tolist(), dets[:, 0].astype(int).tolist(), dets[:, 1].tolist(), xywh(dets[:, 2:]), strict=True
+    )
+    results = [{"image_id": k, "category_id": c, "score": score, "bbox": box} for k, c, score, box in det_columns]
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its progress and summary
         truth = COCO()
         truth.dataset = {
-            "images": [{"id": int(k)} for k in keys],
+            "images": [{"id": k} for k in keys.tolist()],
             "annotations": objects,
             "categories": [{"id": c} for c in range(num_classes)],
         }
