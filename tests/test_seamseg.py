@@ -24,7 +24,7 @@ from raytrain_loops.engine import Engine, StepContext
 from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
-from raytrain_loops.tasks.seamseg import IGNORE, TERMS, SeamsegTask, collate, row_groups
+from raytrain_loops.tasks.seamseg import IGNORE, TERMS, SeamsegTask, collate, detections, row_groups
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -136,83 +136,162 @@ def test_loss_weights_are_checked_by_name_and_weight_the_named_terms(tmp_path):
     assert all(float(t) > 0 for t in out.terms.values())
 
 
-# ---------------------------------------------------------------------- mean IoU
+# ---------------------------------------------------------------------- mean IoU, detections
 
 
-class FixedSegmentation(nn.Module):
-    """Predicts the given label maps whatever the images: logits one-hot on them, no detections."""
+class FixedOutputs(nn.Module):
+    """Predicts the given maps whatever the images: segmentation logits one-hot on ``labels``
+    (B, H, W), objectness logits ``obj`` (B, 1, H/4, W/4) (none: -10, no detections) and box
+    distances ``bbx`` (B, 4, H/4, W/4), each cut to the batch's shape."""
 
-    def __init__(self, labels: torch.Tensor, classes: int = 4):
+    def __init__(self, labels: torch.Tensor, obj: torch.Tensor | None = None, bbx: torch.Tensor | None = None):
         super().__init__()
+        b, h, w = labels.shape
         self.labels = labels
-        self.classes = classes
+        self.obj = torch.full((b, 1, h // 4, w // 4), -10.0) if obj is None else obj
+        self.bbx = torch.zeros(b, 4, h // 4, w // 4) if bbx is None else bbx
         self.bias = nn.Parameter(torch.zeros(()))  # DDP needs a parameter
 
     def forward(self, images):
-        b, _, h, w = images.shape
-        sem = nn.functional.one_hot(self.labels[:, :h, :w], self.classes).permute(0, 3, 1, 2).float() * 10
+        _, _, h, w = images.shape
+        sem = nn.functional.one_hot(self.labels[:, :h, :w], 4).permute(0, 3, 1, 2).float() * 10
         return {
             "sem": sem + self.bias,
-            "obj": torch.full((b, 1, h // 4, w // 4), -10.0),
-            "bbx": torch.zeros(b, 4, h // 4, w // 4),
+            "obj": self.obj[..., : h // 4, : w // 4],
+            "bbx": self.bbx[..., : h // 4, : w // 4],
         }
 
 
-def _item(truth: list[list[int]]) -> dict[str, np.ndarray]:
+def _item(truth: list[list[int]], row: int, boxes=()) -> dict[str, np.ndarray]:
     sem = np.asarray(truth, dtype=np.uint8)
     return {
         "image": np.zeros((*sem.shape, 3), np.uint8),
         "sem": sem,
-        "boxes": np.zeros((0, 4), np.float32),
-        "labels": np.zeros(0, np.int64),
+        "boxes": np.asarray(boxes, np.float32).reshape(-1, 4),
+        "labels": np.zeros(len(boxes), np.int64),
+        "id": row,
     }
 
 
 # Worker 0: one 4x4 image and one 4x8 image (the first padded to 4x8); worker 1: one 4x8 image.
-TRUTH = {
-    0: [[[0, 0, 1, 1]] * 4, [[0, 0, 0, 0, 2, 2, 3, 3]] * 4],
-    1: [[[3, 3, 3, 3, 0, 0, 0, 0]] * 4],
+# The predictions' columns 4-7 of the 4x4 image fall in its padding.
+SPLITS = {
+    "every class present": (
+        {0: [[[0, 0, 1, 1]] * 4, [[0, 0, 0, 0, 2, 2, 3, 3]] * 4], 1: [[[3, 3, 3, 3, 0, 0, 0, 0]] * 4]},
+        {0: [[[0, 1, 1, 1, 0, 0, 0, 0]] * 4, [[0, 0, 0, 2, 2, 2, 3, 0]] * 4], 1: [[[3, 3, 0, 0, 0, 0, 0, 1]] * 4]},
+    ),
+    # No triangle (3) in any target or prediction but the padding; ellipses on worker 1 only.
+    "a class absent from the split": (
+        {0: [[[0, 0, 1, 1]] * 4, [[0, 0, 0, 0, 1, 1, 0, 0]] * 4], 1: [[[2, 2, 0, 0, 0, 0, 0, 0]] * 4]},
+        {0: [[[0, 1, 1, 1, 3, 3, 3, 3]] * 4, [[0, 0, 0, 0, 1, 1, 0, 0]] * 4], 1: [[[2, 0, 0, 0, 0, 0, 0, 0]] * 4]},
+    ),
 }
-PRED = {
-    0: [[[0, 1, 1, 1, 0, 0, 0, 0]] * 4, [[0, 0, 0, 2, 2, 2, 3, 0]] * 4],
-    1: [[[3, 3, 0, 0, 0, 0, 0, 1]] * 4],
+EXPECTED = {
+    # background 7/13, rectangle 2/4, ellipse 2/3, triangle 3/6
+    "every class present": [7 / 13, 2 / 4, 2 / 3, 3 / 6],
+    # background 13/15, rectangle 4/5, ellipse 1/2; the triangle left out of the mean
+    "a class absent from the split": [13 / 15, 4 / 5, 1 / 2, float("nan")],
 }
 
 
-def _by_hand() -> float:
-    """IoU per class over every pixel of both workers, then the mean over the four classes."""
-    inter, union = np.zeros(4), np.zeros(4)
+def _valid_pixels(truth, pred) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every worker's pixels, the padding left out: (predictions, targets)."""
+    preds, targets = [], []
     for rank in (0, 1):
-        for truth, pred in zip(TRUTH[rank], PRED[rank], strict=True):
-            t = np.asarray(truth).ravel()
-            p = np.asarray(pred)[:, : np.asarray(truth).shape[1]].ravel()
-            for c in range(4):
-                inter[c] += ((t == c) & (p == c)).sum()
-                union[c] += ((t == c) | (p == c)).sum()
-    return float(np.mean(inter / union))
+        for t, p in zip(truth[rank], pred[rank], strict=True):
+            t = torch.tensor(t)
+            preds.append(torch.tensor(p)[:, : t.shape[1]].flatten())
+            targets.append(t.flatten())
+    return torch.cat(preds), torch.cat(targets)
 
 
-def _miou_on_two_workers(rank: int, world: int):
+def _miou_on_two_workers(rank: int, world: int, truth, pred):
     from raytrain_loops.tasks.seamseg import SeamsegTask
 
     task = SeamsegTask()
-    batch = collate([_item(t) for t in TRUTH[rank]], pad=True)
-    model = FixedSegmentation(torch.tensor(PRED[rank]))
+    batch = collate([_item(t, row=2 * i + rank) for i, t in enumerate(truth[rank])], pad=True)
+    model = FixedOutputs(torch.tensor(pred[rank]))
     engine = Engine(nn.parallel.DistributedDataParallel(model), fakes.mean_loss, fakes.config().engine, total_steps=1)
     return evaluate(engine, [batch], task.evaluate, False, task.eval_metrics)
 
 
-def test_eval_miou_is_the_whole_splits_mean_iou_over_both_workers():
-    expected = _by_hand()
-    # background 7/13, rectangle 2/4, ellipse 2/3, triangle 3/6; the padding counts nowhere.
-    assert expected == pytest.approx((7 / 13 + 2 / 4 + 2 / 3 + 3 / 6) / 4)
-    outcomes = run_gloo(2, _miou_on_two_workers, timeout=180)
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_eval_miou_is_torchmetrics_macro_mean_iou_over_both_workers(split):
+    from torchmetrics.classification import MulticlassJaccardIndex
+
+    truth, pred = SPLITS[split]
+    expected = EXPECTED[split]
+    reference = MulticlassJaccardIndex(4, average="macro")(*_valid_pixels(truth, pred))
+    assert float(reference) == pytest.approx(np.nanmean(expected), abs=1e-6)
+    outcomes = run_gloo(2, _miou_on_two_workers, truth, pred, timeout=180)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
-        assert o.value["eval_miou"] == pytest.approx(expected, abs=1e-6)
-        assert o.value["eval_iou_ellipse"] == pytest.approx(2 / 3, abs=1e-6)
-        for key in ("eval_iou_background", "eval_iou_rectangle", "eval_iou_triangle", "eval_map50", "eval_sem"):
+        assert o.value["eval_miou"] == pytest.approx(float(reference), abs=1e-6)
+        names = ("background", "rectangle", "ellipse", "triangle")
+        got = [o.value[f"eval_iou_{name}"] for name in names]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)  # NaN where expected is NaN
+        for key in ("eval_map50", "eval_sem"):
             assert key in o.value, key
+
+
+def test_a_perfect_segmentation_scores_1_whatever_classes_the_split_lacks():
+    from raytrain_loops.tasks.seamseg import SEGMENTS, SegmentationIoU
+
+    truth = torch.tensor([[[0, 0, 1, 1, IGNORE]] * 3])  # no ellipse, no triangle; one column of padding
+    pred = torch.tensor([[[0, 0, 1, 1, 3]] * 3])
+    metric = SegmentationIoU(SEGMENTS)
+    metric.update(pred, truth)
+    out = {k: float(v) for k, v in metric.compute().items()}
+    assert out["miou"] == 1.0 and out["iou_background"] == 1.0 and out["iou_rectangle"] == 1.0
+    assert np.isnan(out["iou_ellipse"]) and np.isnan(out["iou_triangle"])
+
+
+def _detection_maps() -> tuple[torch.Tensor, torch.Tensor]:
+    """Objectness and box distances for a 64x64 image (A, 16x16 cells) padded to 64x96 (16x24
+    cells) and a 64x96 image (B, none): A's own peaks at cells (8, 15), on its right edge, (3, 5)
+    and (12, 14), whose box centre lies beyond the image; its padding holds a stronger cell
+    beside (8, 15) and a peak of its own at (3, 20)."""
+    obj = torch.full((2, 1, 16, 24), -10.0)
+    bbx = torch.full((2, 4, 16, 24), 0.5)
+    for (y, x), logit in {(8, 15): 2.0, (3, 5): 1.0, (12, 14): 1.5, (8, 16): 4.0, (3, 20): 3.0}.items():
+        obj[0, 0, y, x] = logit
+    bbx[0, :, 12, 14] = torch.tensor([0.1, 0.5, 1.0, 0.5])  # from x 56.4 to 74: centre 65.2
+    return obj, bbx
+
+
+def test_padding_holds_no_detection_and_costs_no_loss(tmp_path):
+    task = SeamsegTask()
+    obj, bbx = _detection_maps()
+    a = _item([[1] * 64] * 64, row=0, boxes=[[52, 26, 64, 42], [14, 6, 30, 22]])
+    b = _item([[0] * 96] * 64, row=1)
+    labels = torch.ones(2, 64, 96, dtype=torch.long)
+    pair = FixedOutputs(labels, obj, bbx)
+    alone = [
+        FixedOutputs(labels[:1, :, :64], obj[:1, ..., :16], bbx[:1, ..., :16]),
+        FixedOutputs(labels[1:], obj[1:], bbx[1:]),
+    ]
+    padded = collate([a, b], pad=True)
+    singles = [collate([a]), collate([b])]
+
+    found = detections(pair(padded["images"]), padded["sizes"], task.top_k, task.score_threshold)[0]
+    own = detections(alone[0](singles[0]["images"]), singles[0]["sizes"], task.top_k, task.score_threshold)[0]
+    centres = (found["boxes"][:, :2] + found["boxes"][:, 2:]) / 2
+    assert centres.tolist() == [[62.0, 34.0], [22.0, 14.0]]  # the peaks at (8, 15) and (3, 5)
+    for key in ("boxes", "scores", "labels"):
+        torch.testing.assert_close(found[key], own[key], rtol=0, atol=0)
+
+    # The focal loss sums over cells: the padded pair costs what the two images cost alone.
+    obj_loss = [task.losses(m(batch["images"]), batch, 1.0)["obj"] for m, batch in zip(alone, singles, strict=True)]
+    torch.testing.assert_close(task.losses(pair(padded["images"]), padded, 1.0)["obj"], sum(obj_loss))
+
+    # And the split's mAP is the same however the images were batched.
+    by_batching = []
+    for batches in ([(pair, padded)], list(zip(alone, singles, strict=True))):
+        metrics = task.eval_metrics()
+        for model, batch in batches:
+            task.evaluate(model, batch, metrics)
+        by_batching.append({k: float(v) for k, v in metrics["det"].compute().items()})
+    assert by_batching[0] == by_batching[1] and by_batching[0]["map"] > 0, by_batching
 
 
 # ---------------------------------------------------------------------- the recipe

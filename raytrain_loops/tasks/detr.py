@@ -12,15 +12,18 @@ number of boxes over the whole update on all workers, which the engine sums befo
 passes (``count_keys``/``counts``, read as ``ctx.per_slot("boxes")``): no collective in the
 criterion. ``class_error`` and ``cardinality_error`` are logged as in DETR.
 
-Evaluation: the same terms on the validation split, and COCO-style box mAP over the whole split on
-all workers (``eval_map``, ``eval_map50``, ``eval_map75``) through
-:class:`~raytrain_loops.tasks.detection.MeanAveragePrecision`; each evaluation also scores the
-model as initialised on the same images (``eval_init_map50``), the baseline training must beat.
+Evaluation: the same terms on the validation split, and the COCO box mAP of pycocotools'
+``COCOeval`` over the whole split on all workers (``eval_map``, ``eval_map50``, ``eval_map75``)
+through :class:`~raytrain_loops.tasks.detection.MeanAveragePrecision`: every query is a detection
+(DETR's evaluation), scored by its best real class's probability, each image known by
+:func:`image_id`. Each evaluation also scores the model as initialised on the same images
+(``eval_init_map50``), the baseline training must beat.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +126,15 @@ class DETR(nn.Module):
         return self.class_head(h), self.box_head(h).sigmoid()
 
 
+def image_id(raw: bytes) -> int:
+    """An image's id over its split: 63 bits of a hash of its bytes. The rows of a Parquet split
+    carry no index, and a Ray Data shard does not say which rows it holds; the hash is the same
+    on whichever worker reads the image, so the mAP's ranking of tied scores (by image id) does
+    not depend on the workers. The generated images are drawn with noise, so no two are alike;
+    ids given twice are an error of the metric."""
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
 def expand_weights(weight_dict: dict[str, float], aux_layers: int) -> dict[str, float]:
     """The weight of every term: the base ones and their ``_<i>`` copies per auxiliary layer."""
     missing = [k for k in BASE_TERMS if k not in weight_dict]
@@ -206,13 +218,15 @@ class DetrTask(Task):
         }
 
     def collate(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Images (B, 3, H, W) normalised; per image, labels (n,) and boxes (n, 4) cxcywh."""
+        """Images (B, 3, H, W) normalised; per image, labels (n,) and boxes (n, 4) cxcywh, and
+        ``ids`` (B,), each image's :func:`image_id`."""
         s = self.spec.size
         images = np.stack([decode_image(raw, s) for raw in batch["image"]])
         x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255.0)
         labels = [torch.tensor(np.asarray(v, dtype=np.int64)) for v in batch["labels"]]
         boxes = [torch.tensor(np.asarray(v, dtype=np.float32)).reshape(-1, 4) for v in batch["boxes"]]
-        return {"images": (x - MEAN) / STD, "labels": labels, "boxes": boxes}
+        ids = torch.tensor([image_id(raw) for raw in batch["image"]], dtype=torch.long)
+        return {"images": (x - MEAN) / STD, "labels": labels, "boxes": boxes, "ids": ids}
 
     def counts(self, batch: dict[str, Any]) -> dict[str, float]:
         return {"boxes": float(sum(len(v) for v in batch["labels"]))}
@@ -316,8 +330,8 @@ class DetrTask(Task):
         out["loss"] = (sum(self.weights[k] * v for k, v in terms.items()), n_images)
         if metrics:
             targets = [
-                {"boxes": cxcywh_to_xyxy(b.float()), "labels": lab}
-                for lab, b in zip(batch["labels"], batch["boxes"], strict=True)
+                {"boxes": cxcywh_to_xyxy(b.float()), "labels": lab, "image_id": i}
+                for lab, b, i in zip(batch["labels"], batch["boxes"], batch["ids"].tolist(), strict=True)
             ]
             metrics["map"].update(self.detections(logits[-1], boxes[-1]), targets)
             if self._initial is not None:

@@ -11,21 +11,29 @@ four sides from that cell's centre. The named loss terms, in this order:
   by the number of objects of the whole update on all workers (the engine's ``counts`` path);
 - ``bbx``: L1 of the four distances (in units of :data:`BOX_SCALE` pixels) at the centre cells,
   divided by the same number;
-- ``sem``: per-pixel cross-entropy (padding ignored).
+- ``sem``: per-pixel cross-entropy.
+
+Padding (evaluation batches pad smaller images) counts in no loss term: ``sem`` ignores its
+pixels, ``obj`` its heatmap cells.
 
 They are combined with ``task.params.loss_weights`` (one weight per term, in that order, as
 seamseg's ``loss_weights``); each is logged weighted under its name and as is under
 ``<name>_unscaled``, averaged over all workers.
 
 Data: the splits are map-style (:class:`ShapesRows`, the Parquet file read into memory in the
-process that uses it). A training batch must hold images of one shape (its rows share a group of
-:func:`row_groups`); evaluation batches are padded to their largest image, the padding ignored by
-every metric.
+process that uses it); each row's index is its image's id. A training batch must hold images of
+one shape (its rows share a group of :func:`row_groups`); evaluation batches are padded to their
+largest image, the padding ignored by every loss and metric: its pixels and heatmap cells count
+nowhere, and it holds no detection. (The network's outputs near an image's bottom and right edges
+still see the padding within their receptive field, as in any padded batch.)
 
-Evaluation: the terms on the validation split, and over the whole split on all workers (torchmetrics
-states summed over the process group): ``eval_miou``, the mean IoU over background and classes,
-``eval_iou_<class>`` for each, and the detections' box mAP (``eval_map``, ``eval_map50``,
-``eval_map75``), a detection labelled by the segmentation's class at its box's centre.
+Evaluation: the terms on the validation split, and over the whole split on all workers:
+``eval_miou``, the mean IoU over the classes (background included) present in the split's
+targets or predictions, as torchmetrics' macro average; ``eval_iou_<class>`` for each (NaN for
+a class absent from both); and the detections' COCO box mAP (``eval_map``, ``eval_map50``,
+``eval_map75``; pycocotools' ``COCOeval`` through
+:class:`~raytrain_loops.tasks.detection.MeanAveragePrecision`), a detection labelled by the
+segmentation's class at its box's centre.
 """
 
 from __future__ import annotations
@@ -107,7 +115,7 @@ class ShapesRows(torch.utils.data.Dataset):
             sem[mask] = 1 + label
         cx, cy, bw, bh = np.asarray(cols["boxes"][i], dtype=np.float32).reshape(-1, 4).T
         boxes = np.stack([(cx - bw / 2) * w, (cy - bh / 2) * h, (cx + bw / 2) * w, (cy + bh / 2) * h], 1)
-        return {"image": image, "sem": sem, "boxes": boxes.astype(np.float32), "labels": labels}
+        return {"image": image, "sem": sem, "boxes": boxes.astype(np.float32), "labels": labels, "id": i}
 
 
 def row_groups(dataset: ShapesRows) -> list[int]:
@@ -141,8 +149,9 @@ def centre_targets(boxes: np.ndarray, h: int, w: int) -> tuple[np.ndarray, np.nd
 
 def collate(items: Sequence[dict[str, np.ndarray]], pad: bool = False) -> dict[str, Any]:
     """Stack rows into a batch: ``images`` (B, 3, H, W) normalised, ``sem`` (B, H, W),
-    ``heat`` (B, 1, H/S, W/S), ``centres`` (N, 3) as (image, y, x) cells with ``ltrb`` (N, 4), and
-    per image ``boxes`` (xyxy pixels) and ``labels``.
+    ``heat`` (B, 1, H/S, W/S), ``centres`` (N, 3) as (image, y, x) cells with ``ltrb`` (N, 4),
+    per image ``boxes`` (xyxy pixels) and ``labels``, and ``sizes`` (B, 2), each image's
+    (height, width) before padding, and ``ids`` (B,), its row's ``id``.
 
     Without ``pad`` (training) every image must have the same shape, and a batch that mixes
     shapes is an error; with ``pad`` (evaluation) smaller images are padded at the bottom and
@@ -175,6 +184,8 @@ def collate(items: Sequence[dict[str, np.ndarray]], pad: bool = False) -> dict[s
         "ltrb": torch.from_numpy(np.concatenate(ltrbs)),
         "boxes": [torch.from_numpy(item["boxes"]) for item in items],
         "labels": [torch.from_numpy(item["labels"]) for item in items],
+        "sizes": torch.tensor([item["image"].shape[:2] for item in items], dtype=torch.long).reshape(-1, 2),
+        "ids": torch.tensor([item["id"] for item in items], dtype=torch.long),
     }
 
 
@@ -223,18 +234,31 @@ class SeamsegNet(nn.Module):
 # ---------------------------------------------------------------------- losses and metrics
 
 
-def focal_heatmap_loss(logits: torch.Tensor, heat: torch.Tensor) -> torch.Tensor:
-    """CenterNet's penalty-reduced focal loss, summed (divide by the number of objects)."""
+def focal_heatmap_loss(logits: torch.Tensor, heat: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """CenterNet's penalty-reduced focal loss, summed over the cells where ``valid`` (all of
+    them when None; divide by the number of objects)."""
     p = logits.float().sigmoid().clamp(1e-4, 1 - 1e-4)
     pos = heat.eq(1).float()
     pos_loss = -((1 - p) ** 2) * p.log() * pos
     neg_loss = -((1 - heat) ** 4) * p**2 * (1 - p).log() * (1 - pos)
-    return (pos_loss + neg_loss).sum()
+    loss = pos_loss + neg_loss
+    return (loss if valid is None else loss * valid).sum()
+
+
+def inside(sizes: torch.Tensor, shape: Sequence[int], stride: int = 1) -> torch.Tensor:
+    """(B, 1, *shape) bool: which cells of a batch's map at ``stride`` lie within each image of
+    ``sizes`` (B, 2) (its height and width in pixels), not in its padding."""
+    rows = torch.arange(shape[0], device=sizes.device) * stride
+    cols = torch.arange(shape[1], device=sizes.device) * stride
+    return ((rows[None, :, None] < sizes[:, 0, None, None]) & (cols[None, None, :] < sizes[:, 1, None, None]))[:, None]
 
 
 class SegmentationIoU(MulticlassJaccardIndex):
-    """Per-class IoU from a confusion matrix summed over every batch on every worker; ``compute``
-    gives ``miou`` (the mean over all classes, background included) and ``iou_<name>`` each."""
+    """Per-class IoU from a confusion matrix summed over every batch on every worker (pixels
+    labelled ``ignore_index``, the padding, left out); ``compute`` gives ``miou``, the mean over
+    the classes present in the targets or the predictions (torchmetrics' ``average="macro"``),
+    and ``iou_<name>`` for each, NaN for a class absent from both: its IoU is 0/0, which no
+    figure stands for, and the key stays, so every evaluation of a run logs the same names."""
 
     def __init__(self, names: Sequence[str], ignore_index: int = IGNORE, **kwargs: Any):
         super().__init__(len(names), average="none", ignore_index=ignore_index, validate_args=False, **kwargs)
@@ -242,29 +266,37 @@ class SegmentationIoU(MulticlassJaccardIndex):
 
     def compute(self) -> dict[str, torch.Tensor]:
         iou = super().compute()
-        return {"miou": iou.mean(), **{f"iou_{name}": v for name, v in zip(self.names, iou, strict=True)}}
+        present = (self.confmat.sum(0) + self.confmat.sum(1)) > 0
+        iou = torch.where(present, iou, torch.nan)
+        return {"miou": iou[present].mean(), **{f"iou_{name}": v for name, v in zip(self.names, iou, strict=True)}}
 
 
-def detections(out: dict[str, torch.Tensor], top_k: int, threshold: float) -> list[dict[str, torch.Tensor]]:
+def detections(
+    out: dict[str, torch.Tensor], sizes: torch.Tensor, top_k: int, threshold: float
+) -> list[dict[str, torch.Tensor]]:
     """Per image, the heatmap's local maxima above ``threshold`` (at most ``top_k``) as boxes
     (xyxy pixels), labelled by the segmentation's most likely class at the box's centre and
-    scored by objectness times that class's share of the foreground probability there."""
-    heat = out["obj"].float().sigmoid()
+    scored by objectness times that class's share of the foreground probability there.
+
+    ``sizes`` (B, 2): each image's height and width before padding. The padding holds no
+    detection: its heatmap cells are zero before the local maxima are found (so they neither
+    take a place among the ``top_k`` nor suppress an image's own peak at its edge), and a
+    detection whose box centre lies outside its image is dropped."""
+    heat = out["obj"].float().sigmoid() * inside(sizes, out["obj"].shape[-2:], STRIDE)
     peaks = heat * (F.max_pool2d(heat, 3, 1, 1) == heat)
     sem = out["sem"].float().softmax(1)[:, 1:]
     gw = heat.shape[-1]
     results = []
-    for b in range(len(heat)):
+    for b, (h, w) in enumerate(sizes.tolist()):
         scores, idx = peaks[b, 0].flatten().topk(min(top_k, peaks[b, 0].numel()))
-        keep = scores > threshold
-        scores, idx = scores[keep], idx[keep]
         cy, cx = (idx // gw).float(), (idx % gw).float()
         ltrb = out["bbx"][b, :, idx // gw, idx % gw].float().T * BOX_SCALE
         px, py = (cx + 0.5) * STRIDE, (cy + 0.5) * STRIDE
         boxes = torch.stack([px - ltrb[:, 0], py - ltrb[:, 1], px + ltrb[:, 2], py + ltrb[:, 3]], 1)
-        h, w = sem.shape[-2:]
-        mx = ((boxes[:, 0] + boxes[:, 2]) / 2).long().clamp(0, w - 1)
-        my = ((boxes[:, 1] + boxes[:, 3]) / 2).long().clamp(0, h - 1)
+        mx, my = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+        cell_inside = (py < h) & (px < w)
+        keep = (scores > threshold) & cell_inside & (mx >= 0) & (mx < w) & (my >= 0) & (my < h)
+        scores, boxes, mx, my = scores[keep], boxes[keep], mx[keep].long(), my[keep].long()
         fg = sem[b, :, my, mx].T  # (n, classes)
         share, labels = (fg / fg.sum(1, keepdim=True).clamp_min(1e-6)).max(1)
         results.append({"boxes": boxes, "scores": scores * share, "labels": labels})
@@ -336,8 +368,9 @@ class SeamsegTask(Task):
         """The terms of :data:`TERMS`; ``obj`` and ``bbx`` are sums over objects divided by ``objects``."""
         b, y, x = batch["centres"].unbind(1)
         pred = out["bbx"][b, :, y, x].float()  # (N, 4)
+        valid = inside(batch["sizes"], out["obj"].shape[-2:], STRIDE)
         return {
-            "obj": focal_heatmap_loss(out["obj"], batch["heat"]) / objects,
+            "obj": focal_heatmap_loss(out["obj"], batch["heat"], valid) / objects,
             "bbx": F.l1_loss(pred, batch["ltrb"], reduction="sum") / objects,
             "sem": F.cross_entropy(out["sem"].float(), batch["sem"], ignore_index=IGNORE),
         }
@@ -362,8 +395,11 @@ class SeamsegTask(Task):
         result["loss"] = (sum(self.weights[k] * v for k, v in terms.items()), n)
         if metrics:
             metrics["seg"].update(out["sem"].argmax(1), batch["sem"])
-            targets = [{"boxes": b, "labels": lab} for b, lab in zip(batch["boxes"], batch["labels"], strict=True)]
-            metrics["det"].update(detections(out, self.top_k, self.score_threshold), targets)
+            targets = [
+                {"boxes": b, "labels": lab, "image_id": i}
+                for b, lab, i in zip(batch["boxes"], batch["labels"], batch["ids"].tolist(), strict=True)
+            ]
+            metrics["det"].update(detections(out, batch["sizes"], self.top_k, self.score_threshold), targets)
         return result
 
 
