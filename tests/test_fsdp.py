@@ -305,7 +305,7 @@ def test_damage_only_one_worker_sees_moves_every_worker_to_the_sharded_checkpoin
         for name, value in o.value["at_first"].items():
             assert torch.equal(o.value["model"][name], value), name
     # Two votes per candidate and one collective load, not a wait for the group's 30 s timeout.
-    assert max(o.value["seconds"] for o in outcomes) < 15, [o.value["seconds"] for o in outcomes]
+    assert max(o.value["seconds"] for o in outcomes) < 25, [o.value["seconds"] for o in outcomes]
 
 
 def _transient_failure_in_the_collective_load(rank: int, world: int, run: str):

@@ -249,3 +249,21 @@ def test_a_crafted_non_tensor_item_in_dcp_shards_runs_nothing_and_the_restore_ta
     target = {k: v for k, v in _adamw().sharded_targets().items() if v is not None}
     dcp.load(target, checkpoint_id=d / "dcp")  # the control: DCP's own load runs it
     assert marker.exists()
+
+
+def test_a_sharded_load_that_failed_after_writing_into_the_model_does_not_start_from_the_beginning(tmp_path):
+    from raytrain_loops.engine import dcp_io
+
+    run = tmp_path / "run"
+    d = _write_sharded(run, 12, seed=2)
+    # The last tensor of the shard file garbled, the manifest rewritten to match: every check
+    # before the load passes, and DCP fails reading it after it copied the others into the model.
+    metadata = dcp_io.read_metadata(d / "dcp")
+    last = max(metadata.storage_data.values(), key=lambda where: where.offset)
+    data = bytearray((d / "dcp" / last.relative_path).read_bytes())
+    data[last.offset : last.offset + last.length] = b"PK\x03\x04" + bytes(last.length - 4)  # a zip without its parts
+    rewritten(d, f"dcp/{last.relative_path}", bytes(data))
+
+    reporter = RayReporter(_adamw(seed=3), 0, 1, str(run))
+    with pytest.raises(ckpt.CheckpointError, match="had already written part of its state into the model"):
+        reporter.restore_from(candidates(str(run), None))

@@ -285,36 +285,40 @@ def fill_from_plain(targets: dict[str, Any], state: dict[str, Any]) -> None:
     ``state`` (whole tensors, the optimizer's state keyed by parameter index): what a run that
     wrote plain checkpoints (DDP) loads when it goes on sharded. Every worker holds the whole
     state and keeps its own shard of each tensor (no collective); the optimizer's groups pair up
-    in order. Everything is checked before anything is written; a state that does not fit raises
-    :class:`CheckpointError`."""
+    in order. Everything is checked before anything is written; a state that does not fit this
+    model raises ``ValueError`` naming the key (as loading a plain state into a plain model does:
+    not damage, the checkpoint before would not fit either)."""
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pair(target: Any, value: Any, name: str) -> None:
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise CheckpointError(f"{name}: the checkpoint holds {got}, the model {tuple(target.shape)}")
+            raise ValueError(f"{name}: the checkpoint holds {got}, the model {tuple(target.shape)}")
         writes.append((target, value))
 
     for key in ("model", "ema"):
         if targets.get(key) is None:
             continue
         source = state.get(key)
-        if not isinstance(source, dict) or set(source) != set(targets[key]):
-            have = sorted(source) if isinstance(source, dict) else source
-            raise CheckpointError(f"the plain checkpoint's {key} has keys {have}, the model {sorted(targets[key])}")
+        if not isinstance(source, dict):
+            raise ValueError(f"the plain checkpoint holds no {key} state")
+        if set(source) != set(targets[key]):
+            raise ValueError(
+                f"the plain checkpoint's {key} has keys {sorted(source)}, the model {sorted(targets[key])}"
+            )
         for name, target in targets[key].items():
             pair(target, source[name], f"{key}.{name}")
 
     settings: list[tuple[dict, dict]] = []
     mine, theirs = targets["optimizer"], state["optimizer"]
     if len(mine["param_groups"]) != len(theirs["param_groups"]):
-        raise CheckpointError(
+        raise ValueError(
             f"the plain checkpoint's optimizer has {len(theirs['param_groups'])} parameter groups, "
             f"the model's {len(mine['param_groups'])}"
         )
     for group, saved in zip(mine["param_groups"], theirs["param_groups"], strict=True):
         if len(group["params"]) != len(saved["params"]):
-            raise CheckpointError(
+            raise ValueError(
                 f"a parameter group of the plain checkpoint's optimizer holds {len(saved['params'])} "
                 f"parameters, the model's {len(group['params'])}"
             )
