@@ -341,6 +341,32 @@ def test_an_io_error_inside_a_sharded_load_stops_every_worker_instead_of_taking_
         assert "[Errno 5] Input/output error" in o.message and "checkpoint_00000002/dcp/__1_0.distcp" in o.message
 
 
+def _write_where_one_worker_cannot(rank: int, world: int, root: str):
+    """Each worker writes into its own scratch directory (as on Ray); rank 1's holds a file where
+    the shards' directory goes."""
+    from pathlib import Path
+
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    engine = _engine("fsdp", [])
+    directory = Path(root) / f"worker{rank}"
+    directory.mkdir(parents=True)
+    if rank == 1:
+        (directory / ckpt.DCP_DIR).write_text("not a directory")
+    state = engine.state_dict()
+    ckpt.write_sharded(directory, rank, {ckpt.rank_file(rank): {"rng": state.pop("rng")}}, state, world)
+
+
+def test_a_sharded_write_that_fails_on_one_worker_is_an_error_on_every_worker(tmp_path):
+    outcomes = run_gloo(2, _write_where_one_worker_cannot, str(tmp_path), timeout=120)
+    # DCP's CheckpointException (a BaseException) comes out as the worker's cause, an Exception
+    # that the reporter's callers handle like any other failed write.
+    for o in outcomes:
+        assert o.error == "FileExistsError", o.message
+        assert "worker1/dcp" in o.message
+    assert not (tmp_path / "worker0" / "manifest.rank0.json").exists()
+
+
 def _ddp_then_fsdp(rank: int, world: int, run: str):
     """Two DDP steps, a plain checkpoint, two more; then an FSDP engine restores the checkpoint
     and takes the same two steps."""
