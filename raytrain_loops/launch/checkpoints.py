@@ -123,7 +123,7 @@ class RayReporter:
                     f"no checkpoint of {self.run_dir} could be loaded, and {len(refused)} were refused by "
                     f"torch.load(weights_only=True) rather than damaged; the newest: {refused[0]['reason']}"
                 )
-            if position is None and self._partial:
+            if position is None and self._partial and not init_checkpoint:
                 raise ckpt_files.CheckpointError(
                     f"no checkpoint of {self.run_dir} could be loaded, and the failed load of {self._partial} had "
                     "already written part of its state into the model: it cannot start from the beginning"
