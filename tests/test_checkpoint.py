@@ -171,3 +171,35 @@ def test_a_manifest_with_impossible_values_is_damage(tmp_path, change, message):
     _rewrite_manifest(tmp_path, 0, change)
     with pytest.raises(ckpt.CheckpointError, match=re.escape(message)):
         ckpt.verify(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "saved,message",
+    [
+        (["optim.name=adamw"], "the plain checkpoint's optimizer has 1 parameter groups, the model's 2"),
+        (["optim.param_groups=decay_split", "ema.enabled=false"], "the plain checkpoint holds no ema state"),
+        (
+            ["optim.param_groups=decay_split", "HIDDEN"],
+            "model.encoder.weight: the checkpoint holds (8, 6), the model (16, 6)",
+        ),
+    ],
+    ids=["optimizer groups", "no ema", "shape"],
+)
+def test_a_plain_state_that_does_not_fit_a_sharded_engine_is_refused_naming_it_before_anything_is_written(
+    saved, message
+):
+    from raytrain_loops.engine import Engine
+    from tests import fakes
+
+    def engine(overrides, seed, d_hidden=16):
+        config = fakes.config("optim.name=adamw", "ema.enabled=true", *overrides).engine
+        return Engine(fakes.make_model(seed=seed, d_hidden=d_hidden), fakes.mean_loss, config, total_steps=4)
+
+    mine = engine(["optim.param_groups=decay_split"], seed=1)
+    before = {k: v.clone() for k, v in mine.module.state_dict().items()}
+    hidden = 8 if "HIDDEN" in saved else 16
+    state = engine([o for o in saved if o != "HIDDEN"], seed=2, d_hidden=hidden).state_dict()  # other weights
+    with pytest.raises(ValueError) as info:
+        ckpt.fill_from_plain(mine.sharded_targets(), state)
+    assert message in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in mine.module.state_dict().items())

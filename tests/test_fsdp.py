@@ -6,6 +6,8 @@ leave names and losses as they were."""
 from __future__ import annotations
 
 import copy
+import io
+import time
 
 import pytest
 import torch
@@ -237,6 +239,168 @@ def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_pat
     plain.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])
     assert all(torch.equal(v, saved[k]) for k, v in plain.state_dict().items())
     assert exported["counters"]["step"] == 2 and set(exported["ema"]) == set(saved)
+
+
+def _save(engine: Engine, run: str, rank: int, world: int) -> None:
+    """This worker's part of a checkpoint of ``engine`` (sharded or plain), as the reporter writes it."""
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    state = engine.state_dict()
+    files = {ckpt.rank_file(rank): {"rng": state.pop("rng"), "data": {"epoch": 0, "batches": engine.step}}}
+    directory = f"{run}/checkpoint_{engine.step:08d}"
+    if engine.sharded:
+        ckpt.write_sharded(directory, rank, files, state, world)
+    else:
+        ckpt.write_files(directory, rank, {**files, **({ckpt.STATE: state} if rank == 0 else {})}, world)
+
+
+def _restore(engine: Engine, run: str, rank: int, world: int):
+    from raytrain_loops.launch.checkpoints import RayReporter, candidates
+
+    reporter = RayReporter(engine, rank, world, run)
+    position = reporter.restore_from(candidates(run, None))
+    return (position.epoch, position.batches), reporter.loaded  # plain values: the outcome is read weights-only
+
+
+def _one_sided_damage(rank: int, world: int, run: str, marker: str):
+    """Sharded checkpoints at steps 1 and 2; rank 1's own file of step 2 is replaced by a whole
+    pickle that would run code (its manifest rewritten to match): only rank 1 reads it."""
+    from pathlib import Path
+
+    from raytrain_loops.engine import checkpoint as ckpt
+    from tests.test_checkpoint import _Exploit
+    from tests.test_restore import rewritten
+
+    engine = _engine("fsdp", [])
+    for step in range(2):
+        engine.train_step(_batches(rank, step))
+        _save(engine, run, rank, world)
+        if step == 0:
+            at_first = _full(engine.module.state_dict())
+    torch.distributed.barrier()
+    if rank == 0:
+        crafted = io.BytesIO()
+        torch.save({"rng": torch.zeros(1), "data": _Exploit(marker)}, crafted)
+        rewritten(Path(run) / "checkpoint_00000002", ckpt.rank_file(1), crafted.getvalue(), rank=1)
+    torch.distributed.barrier()
+    fresh = _engine("fsdp", [])
+    start = time.perf_counter()
+    position, loaded = _restore(fresh, run, rank, world)
+    seconds = time.perf_counter() - start
+    model = _full(fresh.module.state_dict())
+    return {"position": position, "loaded": loaded, "model": model, "at_first": at_first, "seconds": seconds}
+
+
+def test_damage_only_one_worker_sees_moves_every_worker_to_the_sharded_checkpoint_before(tmp_path):
+    marker = tmp_path / "pwned"
+    outcomes = run_gloo(2, _one_sided_damage, str(tmp_path / "run"), str(marker), timeout=120)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    assert not marker.exists()
+    for o in outcomes:
+        assert o.value["position"] == (0, 1)
+        assert o.value["loaded"]["checkpoint"].endswith("checkpoint_00000001")
+        [skip] = o.value["loaded"]["skipped"]
+        assert skip["checkpoint"].endswith("checkpoint_00000002") and skip["refused"]
+        assert skip["reason"].startswith("worker 1: ") and "rank1.pt: refused or unreadable" in skip["reason"]
+        for name, value in o.value["at_first"].items():
+            assert torch.equal(o.value["model"][name], value), name
+    # Two votes per candidate and one collective load, not a wait for the group's 30 s timeout.
+    assert max(o.value["seconds"] for o in outcomes) < 25, [o.value["seconds"] for o in outcomes]
+
+
+def _transient_failure_in_the_collective_load(rank: int, world: int, run: str):
+    """Sharded checkpoints at steps 1 and 2; rank 1's storage fails (EIO) reading step 2's shards
+    inside DCP's load, after every worker checked the checkpoint."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    engine = _engine("fsdp", [])
+    for step in range(2):
+        engine.train_step(_batches(rank, step))
+        _save(engine, run, rank, world)
+    torch.distributed.barrier()
+    if rank == 1:
+        real = FileSystem.create_stream
+
+        def create_stream(self, path, mode):
+            if "checkpoint_00000002" in str(path):
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return real(self, path, mode)
+
+        FileSystem.create_stream = create_stream
+    return _restore(_engine("fsdp", []), run, rank, world)
+
+
+def test_an_io_error_inside_a_sharded_load_stops_every_worker_instead_of_taking_an_older_checkpoint(tmp_path):
+    outcomes = run_gloo(2, _transient_failure_in_the_collective_load, str(tmp_path / "run"), timeout=120)
+    # DCP gathers every worker's failure: each worker raises rank 1's I/O error (the group
+    # restarts from this checkpoint), none moves on to the one before.
+    for o in outcomes:
+        assert o.error == "OSError", o.message
+        assert "[Errno 5] Input/output error" in o.message and "checkpoint_00000002/dcp/__1_0.distcp" in o.message
+
+
+def _write_where_one_worker_cannot(rank: int, world: int, root: str):
+    """Each worker writes into its own scratch directory (as on Ray); rank 1's holds a file where
+    the shards' directory goes."""
+    from pathlib import Path
+
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    engine = _engine("fsdp", [])
+    directory = Path(root) / f"worker{rank}"
+    directory.mkdir(parents=True)
+    if rank == 1:
+        (directory / ckpt.DCP_DIR).write_text("not a directory")
+    state = engine.state_dict()
+    ckpt.write_sharded(directory, rank, {ckpt.rank_file(rank): {"rng": state.pop("rng")}}, state, world)
+
+
+def test_a_sharded_write_that_fails_on_one_worker_is_an_error_on_every_worker(tmp_path):
+    outcomes = run_gloo(2, _write_where_one_worker_cannot, str(tmp_path), timeout=120)
+    # DCP's CheckpointException (a BaseException) comes out as the worker's cause, an Exception
+    # that the reporter's callers handle like any other failed write.
+    for o in outcomes:
+        assert o.error == "FileExistsError", o.message
+        assert "worker1/dcp" in o.message
+    assert not (tmp_path / "worker0" / "manifest.rank0.json").exists()
+
+
+def _ddp_then_fsdp(rank: int, world: int, run: str):
+    """Two DDP steps, a plain checkpoint, two more; then an FSDP engine restores the checkpoint
+    and takes the same two steps."""
+    ddp = _engine("ddp", [])
+    for step in range(2):
+        ddp.train_step(_batches(rank, step))
+    _save(ddp, run, rank, world)
+    for step in range(2, 4):
+        ddp.train_step(_batches(rank, step))
+    fsdp = _engine("fsdp", [])
+    position, loaded = _restore(fsdp, run, rank, world)
+    for step in range(2, 4):
+        assert fsdp.train_step(_batches(rank, step)).applied
+    return {
+        "position": position,
+        "loaded": loaded["checkpoint"],
+        "ddp": {"model": _full(ddp.module.state_dict()), "ema": _full(ddp.ema.state_dict())},
+        "fsdp": {"model": _full(fsdp.module.state_dict()), "ema": _full(fsdp.ema.state_dict())},
+        "step": fsdp.step,
+    }
+
+
+def test_a_ddp_run_goes_on_under_fsdp_from_its_plain_checkpoint_with_the_same_updates(tmp_path):
+    outcomes = run_gloo(2, _ddp_then_fsdp, str(tmp_path / "run"), timeout=240)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    for o in outcomes:
+        assert o.value["position"] == (0, 2) and o.value["loaded"].endswith("checkpoint_00000002")
+        assert o.value["step"] == 4
+        # AdamW's moments and the EMA came along: the same two updates as DDP's.
+        for what, ref in o.value["ddp"].items():
+            for name, value in ref.items():
+                torch.testing.assert_close(
+                    o.value["fsdp"][what][name], value, **TOLERANCE["fp32"], msg=f"{what} {name}"
+                )
 
 
 @pytest.mark.ray

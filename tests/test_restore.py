@@ -5,6 +5,9 @@ up with the same checkpoint. Real files, real gloo process groups."""
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
+import pickle
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +24,7 @@ from raytrain_loops.launch.runlog import RunLog, kept_files
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars
+from tests.test_checkpoint import _Exploit
 
 
 def _engine(seed: int = 0) -> Engine:
@@ -178,14 +182,129 @@ def _restore_from_listing(rank: int, world: int, listings: list[list[str]]) -> i
     return reporter.restore_from(listings[rank]).batches
 
 
-def test_workers_that_restore_different_checkpoints_stop_naming_them(tmp_path):
+def test_a_worker_whose_listing_lags_restores_the_newest_checkpoint_with_the_others(tmp_path):
     old, new = _write_checkpoint(tmp_path, 6, world=2), _write_checkpoint(tmp_path, 12, world=2, seed=1)
-    # Rank 1's listing of the store lags behind (an eventually consistent object store).
-    same = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(new), str(old)]], timeout=90)
-    assert [o.value for o in same] == [12, 12]
+    # Rank 1's listing of the store lags behind (an eventually consistent object store): the
+    # workers go through every worker's candidates together, and rank 1 reads the newest too.
     outcomes = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(old)]], timeout=90)
-    digest = {s: ckpt.digest(ckpt.read_file(d, ckpt.STATE)["model"]) for s, d in ((6, old), (12, new))}
+    assert [(o.error, o.value) for o in outcomes] == [(None, 12), (None, 12)], outcomes[0].message
+
+
+def _agree(rank: int, world: int, loaded: list[dict]) -> None:
+    from raytrain_loops.launch.checkpoints import agree
+
+    agree(loaded[rank], rank)
+
+
+def test_workers_that_restore_different_weights_stop_naming_them():
+    # The same checkpoint read as different weights (a store that served two versions of it).
+    loaded = [{"checkpoint": "/r/checkpoint_00000012", "model_sha256": d} for d in ("aa", "bb")]
+    outcomes = run_gloo(2, _agree, loaded, timeout=90)
     for o in outcomes:
         assert o.error == "RestoreMismatch", o.message
-        assert f"worker 0: ('checkpoint_00000012', 12, '{digest[12]}')" in o.message
-        assert f"worker 1: ('checkpoint_00000006', 6, '{digest[6]}')" in o.message
+        assert "worker 0: ('checkpoint_00000012', 12, 'aa'); worker 1: ('checkpoint_00000012', 12, 'bb')" in o.message
+
+
+# ---------------------------------------------------------------- sharded checkpoints
+
+
+def _adamw(seed: int = 0) -> Engine:
+    model = fakes.make_model(seed=seed)
+    return Engine(model, fakes.mean_loss, fakes.config("optim.name=adamw").engine, total_steps=100)
+
+
+def _write_sharded(run_dir: Path, step: int, seed: int = 0, change=None) -> Path:
+    """A sharded checkpoint as one worker writes it (DCP shards, without a process group);
+    ``change`` edits the state first."""
+    engine = _adamw(seed)
+    engine.step = step
+    state = {**engine.state_dict(), **engine.sharded_targets(), "layout": "sharded"}
+    if change:
+        change(state)
+    d = run_dir / f"checkpoint_{step:08d}"
+    files = {ckpt.rank_file(0): {"rng": state.pop("rng"), "data": {"epoch": 0, "batches": step}}}
+    ckpt.write_sharded(d, 0, files, state, 1)
+    return d
+
+
+def rewritten(d: Path, name: str, data: bytes, rank: int = 0) -> None:
+    """Replace a checkpoint file and its entry in ``rank``'s manifest: damage no checksum can show."""
+    (d / name).write_bytes(data)
+    path = d / f"manifest.rank{rank}.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_crafted_dcp_metadata_runs_nothing_and_the_restore_takes_the_checkpoint_before(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    _write_sharded(run, 6, seed=1)
+    d = _write_sharded(run, 12, seed=2)
+    metadata = FileSystemReader(d / "dcp").read_metadata()  # written here: safe to unpickle
+    metadata.storage_meta.save_id = _Exploit(marker)  # the rest stays a valid checkpoint
+    rewritten(d, "dcp/.metadata", pickle.dumps(metadata))
+    assert ckpt.verify(d) == 1
+
+    reporter = RayReporter(_adamw(seed=3), 0, 1, str(run))
+    assert reporter.restore_from(candidates(str(run), None)) == Position(0, 6)
+    assert not marker.exists()
+    assert reporter.engine.step == 6 and reporter.loaded["checkpoint"] == str(run / "checkpoint_00000006")
+    [skip] = reporter.loaded["skipped"]
+    assert skip["checkpoint"] == str(d) and skip["refused"]
+    assert (
+        "dcp/.metadata: refused or unreadable (UnpicklingError: posix.system is not one of the types" in skip["reason"]
+    )
+    with pytest.raises(ckpt.CheckpointError, match="posix.system is not one of the types DCP metadata holds"):
+        ckpt.export(d, tmp_path / "state.pt")
+    assert not marker.exists() and not (tmp_path / "state.pt").exists()
+
+    FileSystemReader(d / "dcp").read_metadata()  # the control: DCP's own reader runs it
+    assert marker.exists()
+
+
+def test_a_crafted_non_tensor_item_in_dcp_shards_runs_nothing_and_the_restore_takes_the_checkpoint_before(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run"
+    _write_sharded(run, 6, seed=1)
+
+    def craft(state):  # an optimizer setting, saved by DCP as a pickled item
+        state["optimizer"]["param_groups"][0]["foreach"] = _Exploit(marker)
+
+    d = _write_sharded(run, 12, seed=2, change=craft)
+    assert ckpt.verify(d) == 1  # written by the writer itself: its manifest matches
+
+    reporter = RayReporter(_adamw(seed=3), 0, 1, str(run))
+    assert reporter.restore_from(candidates(str(run), None)) == Position(0, 6)
+    assert not marker.exists()
+    [skip] = reporter.loaded["skipped"]
+    assert skip["refused"] and "checkpoint_00000012/dcp: refused or unreadable (UnpicklingError" in skip["reason"]
+    with pytest.raises(ckpt.CheckpointError, match="UnpicklingError"):
+        ckpt.export(d, tmp_path / "state.pt")
+    assert not marker.exists()
+
+    target = {k: v for k, v in _adamw().sharded_targets().items() if v is not None}
+    dcp.load(target, checkpoint_id=d / "dcp")  # the control: DCP's own load runs it
+    assert marker.exists()
+
+
+def test_a_sharded_load_that_failed_after_writing_into_the_model_does_not_start_from_the_beginning(tmp_path):
+    from raytrain_loops.engine import dcp_io
+
+    run = tmp_path / "run"
+    d = _write_sharded(run, 12, seed=2)
+    # The last tensor of the shard file garbled, the manifest rewritten to match: every check
+    # before the load passes, and DCP fails reading it after it copied the others into the model.
+    metadata = dcp_io.read_metadata(d / "dcp")
+    last = max(metadata.storage_data.values(), key=lambda where: where.offset)
+    data = bytearray((d / "dcp" / last.relative_path).read_bytes())
+    data[last.offset : last.offset + last.length] = b"PK\x03\x04" + bytes(last.length - 4)  # a zip without its parts
+    rewritten(d, f"dcp/{last.relative_path}", bytes(data))
+
+    reporter = RayReporter(_adamw(seed=3), 0, 1, str(run))
+    with pytest.raises(ckpt.CheckpointError, match="had already written part of its state into the model"):
+        reporter.restore_from(candidates(str(run), None))

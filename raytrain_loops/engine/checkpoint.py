@@ -23,9 +23,10 @@ STATE = "state.pt"
 
 
 class CheckpointError(RuntimeError):
-    refused = False  # set when weights_only refused what the file holds, rather than it being cut or missing
-
     """A checkpoint is missing, incomplete or damaged."""
+
+    refused = False  # set when weights_only refused what the file holds, rather than it being cut or missing
+    partial = False  # set when a load failed after it had begun writing into the engine's state
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -176,6 +177,63 @@ def is_sharded(directory: str | Path) -> bool:
     return (Path(directory) / DCP_DIR / ".metadata").is_file()
 
 
+def _transient(err: BaseException) -> bool:
+    """An error that says nothing about a checkpoint's content: out of memory, or an I/O error
+    other than the ones :func:`_is_damage` reads as a file cut short or missing."""
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or (isinstance(err, OSError) and not _is_damage(err))
+
+
+def _dcp_failure(err: BaseException, directory: str | Path, what: str) -> Exception:
+    """DCP's ``CheckpointException`` (a ``BaseException``, with every worker's failure) as the
+    error to raise: the first transient cause itself (as the worker that met it raised it), else a
+    :class:`CheckpointError` naming every worker's cause (``partial`` when the workers had begun
+    writing the tensors into their targets)."""
+    causes = sorted(err.failures.items())
+    for _, (cause, _) in causes:
+        if _transient(cause):
+            return cause
+    detail = "; ".join(f"worker {rank}: {type(cause).__name__}: {cause}" for rank, (cause, _) in causes)
+    error = CheckpointError(f"{directory}: {what} failed ({detail})")
+    error.refused = any(isinstance(c, pickle.UnpicklingError) or getattr(c, "refused", False) for _, (c, _) in causes)
+    error.partial = err.args[0] == "read"  # DCP's step: "plan" reads nothing into the targets
+    return error
+
+
+def _dcp_metadata(directory: str | Path):
+    """The DCP metadata of a checkpoint, read without running code; damage as :class:`CheckpointError`."""
+    from raytrain_loops.engine import dcp_io
+
+    path = Path(directory) / DCP_DIR / dcp_io.METADATA
+    try:
+        return dcp_io.read_metadata(path.parent)
+    except Exception as err:
+        raise _damage(err, path) from None
+
+
+def _damage(err: Exception, path: Path) -> Exception:
+    """``err``, met reading ``path`` of a sharded checkpoint, as the error to raise: itself when
+    transient, else a :class:`CheckpointError` (``refused`` when an unpickler refused a type)."""
+    if _transient(err):
+        return err
+    error = CheckpointError(f"{path}: refused or unreadable ({type(err).__name__}: {err})")
+    error.refused = isinstance(err, pickle.UnpicklingError)
+    return error
+
+
+def check_sharded(directory: str | Path) -> None:
+    """Read a sharded checkpoint's DCP metadata and its non-tensor items (the optimizer's settings)
+    as :func:`read_sharded` will, without running code and without collectives: what a worker
+    checks on its own before the workers load the checkpoint together. Raises
+    :class:`CheckpointError` when either is refused or unreadable."""
+    from raytrain_loops.engine import dcp_io
+
+    metadata = _dcp_metadata(directory)
+    try:
+        dcp_io.read_bytes_items(Path(directory) / DCP_DIR, metadata)
+    except Exception as err:
+        raise _damage(err, Path(directory) / DCP_DIR) from None
+
+
 def write_sharded(
     directory: str | Path, rank: int, files: dict[str, Any], state: dict[str, Any], world_size: int
 ) -> None:
@@ -183,12 +241,17 @@ def write_sharded(
     through ``torch.distributed.checkpoint`` into ``dcp/`` (every worker writes its own shards,
     rank 0 the metadata; all workers call this together), the rest of ``state`` into ``files``'
     ``state.pt`` on rank 0; then :func:`write_files`, whose manifest lists this worker's DCP files
-    with their checksums like any other file. ``state`` loses the keys it wrote to DCP."""
+    with their checksums like any other file. ``state`` loses the keys it wrote to DCP. A failed
+    write raises its first worker's cause (every worker raises)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     d = Path(directory)
     sharded = {k: state.pop(k) for k in SHARDED_KEYS if state.get(k) is not None}
-    dcp.save(sharded, checkpoint_id=d / DCP_DIR)
+    try:
+        dcp.save(sharded, checkpoint_id=d / DCP_DIR)
+    except CheckpointException as err:
+        raise min(err.failures.items())[1][0] from None
     if rank == 0:
         files = {**files, STATE: state}
     mine = [
@@ -201,16 +264,88 @@ def write_sharded(
 
 def read_sharded(directory: str | Path, targets: dict[str, Any]) -> None:
     """Fill ``targets`` (an engine's ``sharded_targets()``) in place from a checkpoint's DCP shards,
-    whatever the number of workers that wrote them (each worker reads the parts of its shards)."""
-    import torch.distributed.checkpoint as dcp
+    whatever the number of workers that wrote them (each worker reads the parts of its shards).
+    All workers call it together. Nothing is unpickled beyond what ``weights_only=True`` allows.
 
+    A worker's failure is every worker's (DCP gathers them): an out-of-memory or I/O error raises
+    that error; anything else (a state that does not fit this model, unreadable content) a
+    :class:`CheckpointError`."""
+    from raytrain_loops.engine import dcp_io
+
+    metadata = _dcp_metadata(directory)
     wanted = {k: v for k, v in targets.items() if v is not None}
     try:
-        dcp.load(wanted, checkpoint_id=Path(directory) / DCP_DIR)
-    except Exception as err:  # a key the checkpoint lacks (an EMA that was not saved) or a shape that differs
-        raise CheckpointError(
-            f"{directory}: the sharded state does not fit this model ({type(err).__name__}: {err})"
-        ) from None
+        dcp_io.load_into(wanted, Path(directory) / DCP_DIR, metadata)
+    except dcp_io.CheckpointException as err:
+        raise _dcp_failure(err, directory, "loading the sharded state") from None
+
+
+def fill_from_plain(targets: dict[str, Any], state: dict[str, Any]) -> None:
+    """Fill ``targets`` (a sharded engine's ``sharded_targets()``) in place from a plain checkpoint's
+    ``state`` (whole tensors, the optimizer's state keyed by parameter index): what a run that
+    wrote plain checkpoints (DDP) loads when it goes on sharded. Every worker holds the whole
+    state and keeps its own shard of each tensor (no collective); the optimizer's groups pair up
+    in order. Everything is checked before anything is written; a state that does not fit this
+    model raises ``ValueError`` naming the key (as loading a plain state into a plain model does:
+    not damage, the checkpoint before would not fit either)."""
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pair(target: Any, value: Any, name: str) -> None:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name}: the checkpoint holds {got}, the model {tuple(target.shape)}")
+        writes.append((target, value))
+
+    for key in ("model", "ema"):
+        if targets.get(key) is None:
+            continue
+        source = state.get(key)
+        if not isinstance(source, dict):
+            raise ValueError(f"the plain checkpoint holds no {key} state")
+        if set(source) != set(targets[key]):
+            raise ValueError(
+                f"the plain checkpoint's {key} has keys {sorted(source)}, the model {sorted(targets[key])}"
+            )
+        for name, target in targets[key].items():
+            pair(target, source[name], f"{key}.{name}")
+
+    settings: list[tuple[dict, dict]] = []
+    mine, theirs = targets["optimizer"], state["optimizer"]
+    if len(mine["param_groups"]) != len(theirs["param_groups"]):
+        raise ValueError(
+            f"the plain checkpoint's optimizer has {len(theirs['param_groups'])} parameter groups, "
+            f"the model's {len(mine['param_groups'])}"
+        )
+    for group, saved in zip(mine["param_groups"], theirs["param_groups"], strict=True):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(
+                f"a parameter group of the plain checkpoint's optimizer holds {len(saved['params'])} "
+                f"parameters, the model's {len(group['params'])}"
+            )
+        settings.append((group, saved))
+        for name, index in zip(group["params"], saved["params"], strict=True):
+            for k, value in theirs["state"].get(index, {}).items():
+                target = mine["state"].setdefault(name, {}).get(k)
+                if isinstance(target, torch.Tensor):
+                    pair(target, value, f"optimizer.state.{name}.{k}")
+                else:
+                    mine["state"][name][k] = value
+
+    for group, saved in settings:
+        group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+    for target, value in writes:
+        _fill(target, value)
+
+
+def _fill(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` (a whole tensor) into ``target``: into its shard, for a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        local = distribute_tensor(value.detach(), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(local.to_local())
+    else:
+        target.detach().copy_(value)
 
 
 def sharded_digest(directory: str | Path) -> str:
@@ -229,18 +364,19 @@ def sharded_digest(directory: str | Path) -> str:
 def export(directory: str | Path, out: str | Path) -> dict[str, Any]:
     """Write a single-file ``state.pt`` for inference from a checkpoint (sharded or not): the whole
     model's weights (``model``), the EMA's when there are any (``ema``) and the counters, keyed
-    as the plain model's ``state_dict``. Verifies the checkpoint first; returns what it wrote."""
+    as the plain model's ``state_dict``. Verifies the checkpoint first and reads it without
+    running code; returns what it wrote."""
     d = Path(directory)
     verify(d)
     shared = read_file(d, STATE)
     if is_sharded(d):
-        import tempfile
+        from raytrain_loops.engine import dcp_io
 
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(d / DCP_DIR, Path(tmp) / "full.pt")
-            full = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=True)
+        metadata = _dcp_metadata(d)
+        try:
+            full = dcp_io.load_whole(d / DCP_DIR, metadata)
+        except dcp_io.CheckpointException as err:
+            raise _dcp_failure(err, d, "reading the sharded state") from None
         shared = {**shared, **full}
     result = {"model": shared["model"], "ema": shared.get("ema"), "counters": shared.get("counters", {})}
     path = Path(out)
