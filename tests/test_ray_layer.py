@@ -19,6 +19,7 @@ import torch
 
 from raytrain_loops import ConfigError, ParquetSplit, fit
 from raytrain_loops.launch.fit import DataError
+from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
 
 CLI = [sys.executable, "-m", "raytrain_loops.cli"]
@@ -211,6 +212,46 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
     while ray_processes & {int(p.name) for p in Path("/proc").glob("[0-9]*")}:
         assert time.monotonic() < deadline, "processes of the interrupted run still run"
         time.sleep(0.5)
+
+
+def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_complete_checkpoint(tmp_path, monkeypatch):
+    import raytrain_loops.launch.fit as fit_module
+    from raytrain_loops.launch.fit import RunInterrupted
+
+    def trains_until(signum: int, code: int):
+        def train(config, task, splits, rows, name, run_dir, tracking):
+            for step, ranks in ((4, (0, 1)), (8, (0, 1)), (12, (0,))):  # 12: rank 1 was still writing
+                for rank in ranks:
+                    path = Path(run_dir) / f"checkpoint_{step:08d}" / f"manifest.rank{rank}.json"
+                    path.parent.mkdir(exist_ok=True)
+                    path.write_text(json.dumps({"rank": rank, "world_size": 2, "files": {}}))
+            # Ray's driver ends on SIGTERM with sys.exit(SIGTERM); a SystemExit of no signal is no interruption.
+            if signum:
+                os.kill(os.getpid(), signum)
+                time.sleep(10)  # the handler raises here
+            raise SystemExit(code)
+
+        return train
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    try:
+        overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}"]
+        monkeypatch.setattr(fit_module, "_train", trains_until(signal.SIGTERM, 0))
+        with pytest.raises(RunInterrupted) as info:
+            fit(resolve("default"), overrides=overrides)
+        monkeypatch.setattr(fit_module, "_train", trains_until(0, 3))
+        with pytest.raises(SystemExit) as plain:
+            fit(resolve("default"), overrides=overrides)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run_dir = Path(info.value.run_dir)
+    assert info.value.signum == signal.SIGTERM and Path(info.value.checkpoint) == run_dir / "checkpoint_00000008"
+    assert (
+        str(info.value)
+        == f"the run in {run_dir} was interrupted (SIGTERM); its last checkpoint: {info.value.checkpoint}"
+    )
+    assert type(plain.value) is SystemExit and plain.value.code == 3
+    assert not (run_dir / "driver.lock").exists()
 
 
 def test_recipes_lists_the_built_ins():
