@@ -114,10 +114,10 @@ def test_forwarded_output_goes_to_ray_log_except_this_projects_warnings(tmp_path
 
 class ChangedDispatcher:
     """Ray's dispatcher of forwarded output as another Ray version might keep it: its handlers by
-    name, under another lock."""
+    name, under another lock. It starts with Ray's own handler, ``rays``."""
 
-    def __init__(self):
-        self.by_name: dict = {}
+    def __init__(self, rays):
+        self.by_name = {"ray_print_logs": rays}
         self._mutex = threading.Lock()
 
     def add_handler(self, name, handler) -> None:
@@ -131,32 +131,25 @@ class ChangedDispatcher:
             handler(data)
 
 
-class HandlersByName(ray_logging.WorkerStandardStreamDispatcher):
-    """Ray's own dispatcher class with its handlers kept in a dict."""
+class AddHandlerChanged(ray_logging.WorkerStandardStreamDispatcher):
+    """Ray's own dispatcher class with another signature of ``add_handler``, starting with Ray's
+    own handler, ``rays``."""
 
-    def __init__(self):
+    def __init__(self, rays):
         super().__init__()
-        self.handlers = {}
+        super().add_handler("ray_print_logs", rays)
 
-    def add_handler(self, name, handler) -> None:
-        self.handlers[name] = handler
-
-    def remove_handler(self, name) -> None:
-        self.handlers.pop(name, None)
-
-    def emit(self, data) -> None:
-        for handler in list(self.handlers.values()):
-            handler(data)
+    def add_handler(self, handler, *, name: str) -> None:
+        super().add_handler(name, handler)
 
 
 BATCH = {"pid": 7, "actor_name": "RayTrainWorker", "lines": ["Reporting training result 3"]}
 
 
-@pytest.mark.parametrize("changed", [ChangedDispatcher, HandlersByName])
+@pytest.mark.parametrize("changed", [ChangedDispatcher, AddHandlerChanged])
 def test_a_changed_ray_dispatcher_leaves_rays_own_output_in_place(tmp_path, monkeypatch, changed):
-    dispatcher = changed()
     printed: list = []
-    dispatcher.add_handler("ray_print_logs", printed.append)  # Ray's own printing of forwarded output
+    dispatcher = changed(printed.append)  # Ray's own printing of forwarded output
     monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
     with Console(str(tmp_path), display=Display(io.StringIO())) as console:
         console.divert_forwarded()

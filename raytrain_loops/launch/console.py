@@ -270,7 +270,8 @@ class Console:
             from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
             with dispatcher._lock:
-                saved = [(name, handler) for name, handler in dispatcher.handlers if name == DISPATCH_HANDLER]
+                before = list(dispatcher.handlers)
+                saved = [(name, handler) for name, handler in before if name == DISPATCH_HANDLER]
         except Exception as err:
             self._to_log(f"console: Ray's forwarded output is shown as Ray prints it ({root_cause(err)})")
             return
@@ -278,7 +279,8 @@ class Console:
             dispatcher.remove_handler(DISPATCH_HANDLER)
             dispatcher.add_handler(DISPATCH_HANDLER, self._forwarded)
         except Exception as err:
-            self._put_back(dispatcher, saved)
+            with suppress(Exception), dispatcher._lock:
+                dispatcher.handlers = before
             self._to_log(f"console: Ray's forwarded output is shown as Ray prints it ({root_cause(err)})")
             return
         self._dispatcher, self._saved_dispatch = dispatcher, saved
