@@ -38,9 +38,14 @@ MAX_PARAM_VALUE = 6000
 PARAMS_PER_CALL = 100
 METRICS_PER_CALL = 1000
 # MLflow's HTTP settings (its defaults: 120 s a request, 7 retries with backoff; minutes in all).
-# The driver's requests fail fast; rank 0's get one retry, so a blip loses no metrics. A value the
-# user set in the environment wins.
-DRIVER_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+# One retry each, so that a blip neither fails a run's start nor loses metrics or its end; the
+# driver's requests wait longer for an answer than rank 0's. A value the user set in the
+# environment wins.
+DRIVER_HTTP = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 WORKER_HTTP = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
