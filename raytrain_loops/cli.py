@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 
@@ -46,6 +47,7 @@ def _error(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if getattr(args, "verbose", False):
         args.overrides = [*args.overrides, "logging.verbose=true"]
@@ -82,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"raytrain-loops: submission to {address} failed: {err}", file=sys.stderr)
             return 1
 
-    from raytrain_loops.launch.fit import DataError
+    from raytrain_loops.launch.fit import DataError, RunInterrupted
 
+    again = shlex.join(["raytrain-loops", *argv])
     try:
         config = load_config(recipes.resolve(args.recipe), args.overrides)
         if args.command == "tune":
@@ -96,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             result = fit(config)
     except (ConfigError, DataError) as err:
         return _error(str(err))
+    except RunInterrupted as stop:  # Ray Train stopped the workers; the same command resumes the run
+        print(f"raytrain-loops: {stop}", file=sys.stderr)
+        print(f"resume it with the same command: {again}", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:
+        print(f"raytrain-loops: {args.command} interrupted; the same command runs it again: {again}", file=sys.stderr)
+        return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
         from raytrain_loops.launch.errors import root_cause, worker_traceback
 

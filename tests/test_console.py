@@ -7,9 +7,12 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import threading
 import warnings
 from types import SimpleNamespace
 
+import pytest
+import ray._private.ray_logging as ray_logging
 from ray.util.annotations import RayDeprecationWarning
 
 from raytrain_loops.launch.console import Announcer, Console, Display, Sender
@@ -107,6 +110,71 @@ def test_forwarded_output_goes_to_ray_log_except_this_projects_warnings(tmp_path
     assert "(RayTrainWorker pid=123, ip=10.0.0.2) Reporting training result 1: TrainingReport(" in log
     assert "warning: checkpoint /r/checkpoint_00000018 is unusable" in log and "\x1b[" not in log
     assert out.getvalue() == "warning: checkpoint /r/checkpoint_00000018 is unusable, trying the one before\n"
+
+
+class ChangedDispatcher:
+    """Ray's dispatcher of forwarded output as another Ray version might keep it: its handlers by
+    name, under another lock. It starts with Ray's own handler, ``rays``."""
+
+    def __init__(self, rays):
+        self.by_name = {"ray_print_logs": rays}
+        self._mutex = threading.Lock()
+
+    def add_handler(self, name, handler) -> None:
+        self.by_name[name] = handler
+
+    def remove_handler(self, name) -> None:
+        self.by_name.pop(name, None)
+
+    def emit(self, data) -> None:
+        for handler in list(self.by_name.values()):
+            handler(data)
+
+
+class AddHandlerChanged(ray_logging.WorkerStandardStreamDispatcher):
+    """Ray's own dispatcher class with another signature of ``add_handler``, starting with Ray's
+    own handler, ``rays``."""
+
+    def __init__(self, rays):
+        super().__init__()
+        super().add_handler("ray_print_logs", rays)
+
+    def add_handler(self, handler, *, name: str) -> None:
+        super().add_handler(name, handler)
+
+
+BATCH = {"pid": 7, "actor_name": "RayTrainWorker", "lines": ["Reporting training result 3"]}
+
+
+@pytest.mark.parametrize("changed", [ChangedDispatcher, AddHandlerChanged])
+def test_a_changed_ray_dispatcher_leaves_rays_own_output_in_place(tmp_path, monkeypatch, changed):
+    printed: list = []
+    dispatcher = changed(printed.append)  # Ray's own printing of forwarded output
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
+    with Console(str(tmp_path), display=Display(io.StringIO())) as console:
+        console.divert_forwarded()
+        dispatcher.emit(BATCH)
+    assert printed == [BATCH]  # shown as Ray prints it, not lost
+    log = (tmp_path / "ray.log").read_text()
+    assert "console: Ray's forwarded output is shown as Ray prints it" in log and "Reporting training" not in log
+
+
+def test_a_batch_the_console_cannot_handle_never_stops_the_forwarding(tmp_path, monkeypatch):
+    dispatcher = ray_logging.WorkerStandardStreamDispatcher()  # Ray's own, as in this Ray version
+    printed: list = []
+    dispatcher.add_handler("ray_print_logs", printed.append)
+    monkeypatch.setattr(ray_logging, "global_worker_stdstream_dispatcher", dispatcher)
+    with Console(str(tmp_path), display=Display(io.StringIO())) as console:
+        console.divert_forwarded()
+        # Ray's log thread calls emit in a loop that an exception ends, with all forwarding.
+        dispatcher.emit({"pid": 7, "lines": [None]})  # a line that is not text
+        dispatcher.emit({"pid": 8, "lines": 3})  # nor a list of lines
+        dispatcher.emit(BATCH)
+    log = (tmp_path / "ray.log").read_text()
+    assert log.count("console: a batch of forwarded output could not be shown (TypeError: ") == 2
+    assert "(RayTrainWorker pid=7) Reporting training result 3" in log and printed == []
+    dispatcher.emit(BATCH)  # Ray's own handler is back after the run
+    assert printed == [BATCH]
 
 
 def test_the_controller_announces_checkpoints_and_each_failure_with_what_follows():

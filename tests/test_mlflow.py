@@ -1,11 +1,13 @@
 """MLflow tracking against real local MLflow stores (a directory, sqlite): the URI checked before
 Ray starts, the config as params, reduced metrics with their step, one MLflow run per run
-directory through restarts and reruns. The Ray run whose killed and crashed workers log to one
-MLflow run is in test_faults.py (its runs serve both)."""
+directory through restarts and reruns; and against a local tracking server over HTTP that stops
+answering mid-run (tests/mlflow_server.py). The Ray run whose killed and crashed workers log to
+one MLflow run is in test_faults.py (its runs serve both)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -15,8 +17,17 @@ from raytrain_loops import fit
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.launch import fit as fit_module
 from raytrain_loops.launch.rundir import flatten
-from raytrain_loops.launch.tracking import RUN_ID_FILE, MlflowLog, TrackedRun, open_tracking, start_run
+from raytrain_loops.launch.tracking import (
+    RUN_ID_FILE,
+    SETTLE_S,
+    MlflowLog,
+    TrackedRun,
+    end_run,
+    open_tracking,
+    start_run,
+)
 from raytrain_loops.recipes import resolve
+from tests.mlflow_server import TrackingServer
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -98,7 +109,104 @@ def test_a_failing_tracking_store_is_a_warning_and_the_loop_goes_on(tmp_path, ca
     log.close()
     out = capsys.readouterr().out
     assert out.count("warning: MLflow logging failed (training goes on)") == 1
-    assert "warning: 4 MLflow requests failed in this attempt" in out  # the attach and 3 batches
+    assert log.failures >= 1 and log.unsent == 3 and log.dropped == 0  # each value failed or was left at the end
+    (summary,) = [line for line in out.splitlines() if line.startswith("warning: MLflow logging of this attempt: ")]
+    assert f"{log.failures} requests failed" in summary and "3 metric values not sent" in summary
+
+
+@pytest.fixture
+def tracking_server(tmp_path, monkeypatch):
+    for name in (
+        "MLFLOW_HTTP_REQUEST_TIMEOUT",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+    ):
+        monkeypatch.delenv(name, raising=False)  # this project's bounds, not a setting of the machine
+    with TrackingServer(tmp_path / "artifacts") as server:
+        yield server
+
+
+def _timed(call, limit: float):
+    """Run ``call`` on a thread and return (its seconds, its result or exception), failing when it
+    takes longer than ``limit`` seconds: a test of a hanging server must not hang itself."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = call()
+        except Exception as err:
+            box["result"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"still waiting on the tracking server after {limit} s"
+    return time.monotonic() - started, box["result"]
+
+
+def test_a_tracking_server_that_stops_answering_holds_up_no_evaluation_checkpoint_or_end(
+    tracking_server, tmp_path, capsys
+):
+    server = tracking_server
+    config = load_config(resolve("default"), [f"logging.mlflow.tracking_uri={server.url}"])
+    run = start_run(open_tracking(config.logging.mlflow), str(tmp_path / "run"), "r", config)
+    log = MlflowLog(run, rank=0, max_pending=4)
+    log.on_interval({"loss": 1.0, "lr": 0.1}, 1)
+    log.on_eval({"eval_accuracy": 0.5}, 1, epoch=0)  # the store keeps up: the evaluation is in before the report
+    assert server.metric_values(run.run_id) == [("eval_accuracy", 1, 0.5), ("loss", 1, 1.0), ("lr", 1, 0.1)]
+
+    server.stop_answering()
+    waited = {}
+    for step in range(2, 31):
+        log.on_interval({"loss": 1 / step, "lr": 0.1}, step)
+        if step % 10 == 0:
+            started = time.monotonic()
+            log.on_eval({"eval_accuracy": step / 100}, step, epoch=0)
+            log.before_checkpoint()
+            waited[step] = time.monotonic() - started
+    # The first evaluation waits its few seconds for a request that hangs; the next ones do not.
+    assert waited[10] < SETTLE_S + 1 and waited[20] < 0.5 and waited[30] < 0.5, waited
+    # The end waits for the request under way: a 5 s timeout and one retry (MLflow's own
+    # defaults: 120 s and 7 retries with backoff), and sends nothing after it.
+    closing, _ = _timed(log.close, 60)
+    assert closing < 12 and server.unanswered == 2, (closing, server.unanswered)
+
+    # Every value sent after the server stopped is counted, dropped at the full queue or not sent.
+    sent = 29 * 2 + 3
+    assert log.failures == 1 and log.dropped > 0 and log.dropped + log.unsent == sent
+    assert len(server.metric_values(run.run_id)) == 3
+    out = capsys.readouterr().out
+    assert out.count("warning: MLflow is 4 batches behind: metrics are dropped from step ") == 1
+    assert out.count("warning: MLflow logging failed (training goes on): ") == 1 and "Read timed out" in out
+    (summary,) = [line for line in out.splitlines() if line.startswith("warning: MLflow logging of this attempt: ")]
+    assert summary == (
+        "warning: MLflow logging of this attempt: 1 requests failed, "
+        f"{log.dropped} metric values dropped with 4 batches waiting, "
+        f"{log.unsent} metric values not sent (failed, or waiting at the end)"
+    )
+
+
+def test_the_drivers_requests_to_a_tracking_server_that_stops_answering_end_in_seconds(
+    tracking_server, tmp_path, capsys, monkeypatch
+):
+    from mlflow.exceptions import MlflowException
+
+    server = tracking_server
+    config = load_config(resolve("default"), [f"logging.mlflow.tracking_uri={server.url}"])
+    tracking = open_tracking(config.logging.mlflow)
+    run = start_run(tracking, str(tmp_path / "run"), "r", config)
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    server.stop_answering()
+
+    # The run's end: one request (a 10 s timeout and one retry), nothing after the first failure.
+    ending, _ = _timed(lambda: end_run(run, str(tmp_path / "run"), "FINISHED"), 60)
+    assert ending < 24 and server.unanswered == 2, (ending, server.unanswered)
+    assert f"warning: could not end the MLflow run {run.run_id}: MlflowException: " in capsys.readouterr().out
+    # A run's set-up fails as surely, before Ray starts; a timeout the user set wins.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    starting, error = _timed(lambda: start_run(tracking, str(tmp_path / "other"), "r2", config), 60)
+    assert starting < 5 and server.unanswered == 4 and isinstance(error, MlflowException), (starting, error)
 
 
 def test_the_stores_run_id_is_recorded_and_a_missing_run_is_replaced(tmp_path):

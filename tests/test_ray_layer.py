@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 from raytrain_loops import ConfigError, ParquetSplit, fit
 from raytrain_loops.engine import precision
 from raytrain_loops.launch.fit import DataError
+from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
 
 CLI = [sys.executable, "-m", "raytrain_loops.cli"]
@@ -147,6 +150,109 @@ def test_invalid_config_fails_before_ray_starts_naming_the_key():
     missing = _cli("train", "no_such_recipe")
     assert missing.returncode == 2 and "no_such_recipe: not a built-in recipe (" in missing.stderr
     assert "default" in missing.stderr.split("not a built-in recipe (")[1]
+
+
+def test_a_storage_path_that_cannot_be_created_is_an_error_naming_the_key_before_ray_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a file where the path needs a directory (refused to root as well)
+    out = _cli("train", "default", f"run.storage_path={blocker / 'runs'}", f"data.dir={tmp_path / 'data'}")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"raytrain-loops: error: run.storage_path: cannot create the run directory {blocker / 'runs'}/" in out.stderr
+    assert "Ray" not in out.stdout + out.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes under ``pid`` (Linux's /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.ray
+def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_resumes_it(tmp_path):
+    args = [
+        "train",
+        "default",
+        "checkpoint.every_steps=4",
+        f"run.storage_path={tmp_path}",
+        f"data.dir={tmp_path / 'data'}",
+    ]
+    proc = subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(tmp_path.glob("*/checkpoint_0*/manifest.rank1.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)
+            time.sleep(0.2)
+        ray_processes = _descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends a terminal's foreground process group
+        interrupted = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.monotonic() - interrupted
+    assert proc.returncode == 130 and ended < 60, (proc.returncode, ended, out[-2000:], err[-3000:])
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("digits-")]
+    assert f"raytrain-loops: the run in {run_dir} was interrupted (SIGINT); its last checkpoint: " in err
+    named = Path(err.split("its last checkpoint: ")[1].split()[0])
+    assert named.parent == run_dir and (named / "manifest.rank1.json").is_file()
+    assert f"resume it with the same command: raytrain-loops {shlex.join(args)}" in err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 30  # nothing of the run left running
+    while ray_processes & {int(p.name) for p in Path("/proc").glob("[0-9]*")}:
+        assert time.monotonic() < deadline, "processes of the interrupted run still run"
+        time.sleep(0.5)
+
+
+def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_complete_checkpoint(tmp_path, monkeypatch):
+    import raytrain_loops.launch.fit as fit_module
+    from raytrain_loops.launch.fit import RunInterrupted
+
+    def trains_until(signum: int, code: int):
+        def train(config, task, splits, rows, name, run_dir, tracking):
+            for step, ranks in ((4, (0, 1)), (8, (0, 1)), (12, (0,))):  # 12: rank 1 was still writing
+                for rank in ranks:
+                    path = Path(run_dir) / f"checkpoint_{step:08d}" / f"manifest.rank{rank}.json"
+                    path.parent.mkdir(exist_ok=True)
+                    path.write_text(json.dumps({"rank": rank, "world_size": 2, "files": {}}))
+            # Ray's driver ends on SIGTERM with sys.exit(SIGTERM); a SystemExit of no signal is no interruption.
+            if signum:
+                os.kill(os.getpid(), signum)
+                time.sleep(10)  # the handler raises here
+            raise SystemExit(code)
+
+        return train
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    try:
+        overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}"]
+        monkeypatch.setattr(fit_module, "_train", trains_until(signal.SIGTERM, 0))
+        with pytest.raises(RunInterrupted) as info:
+            fit(resolve("default"), overrides=overrides)
+        monkeypatch.setattr(fit_module, "_train", trains_until(0, 3))
+        with pytest.raises(SystemExit) as plain:
+            fit(resolve("default"), overrides=overrides)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run_dir = Path(info.value.run_dir)
+    assert info.value.signum == signal.SIGTERM and Path(info.value.checkpoint) == run_dir / "checkpoint_00000008"
+    assert (
+        str(info.value)
+        == f"the run in {run_dir} was interrupted (SIGTERM); its last checkpoint: {info.value.checkpoint}"
+    )
+    assert type(plain.value) is SystemExit and plain.value.code == 3
+    assert not (run_dir / "driver.lock").exists()
 
 
 def test_recipes_lists_the_built_ins():

@@ -24,6 +24,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any, TextIO
 
 from ray.train.v2.api.callback import UserCallback
@@ -150,6 +151,16 @@ class _ToRayLog(logging.Handler):
             self.handleError(record)
 
 
+def _autoscaler_events(lines: list[str]) -> list[str]:
+    """The events among the autoscaler's lines, as Ray keeps them (all of them when Ray's filter
+    is not where this expects)."""
+    try:
+        from ray._private.worker import filter_autoscaler_events
+    except ImportError:
+        return lines
+    return list(filter_autoscaler_events(lines))
+
+
 def _from_ray(category: type, filename: str) -> bool:
     import ray
 
@@ -167,8 +178,8 @@ class Console:
         self.log: RayLog | None = None
         self.feed = None
         self._saved_loggers: dict[str, tuple[list, bool]] = {}
+        self._dispatcher: Any = None  # Ray's dispatcher of forwarded output, while diverted
         self._saved_dispatch: list = []
-        self._dispatching = False
         self._showwarning: Callable | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -250,31 +261,59 @@ class Console:
 
         Ray's handler of the workers' forwarded output is replaced by one writing to
         ``ray.log``. Ray has no public switch for where it goes, only on or off
-        (``log_to_driver``), and off would lose it from ``ray.log`` too."""
-        if self.verbose or self._dispatching:
+        (``log_to_driver``), and off would lose it from ``ray.log`` too. The handler lives in a
+        private module of Ray: when it is not where and what this expects (another Ray version),
+        Ray's own handler stays and the output is shown as Ray prints it."""
+        if self.verbose or self._dispatcher is not None:
             return
         try:
             from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-        except ImportError:
+
+            with dispatcher._lock:
+                before = list(dispatcher.handlers)
+                saved = [(name, handler) for name, handler in before if name == DISPATCH_HANDLER]
+        except Exception as err:
+            self._to_log(f"console: Ray's forwarded output is shown as Ray prints it ({root_cause(err)})")
             return
-        with dispatcher._lock:
-            self._saved_dispatch = [h for h in dispatcher.handlers if h[0] == DISPATCH_HANDLER]
-        dispatcher.remove_handler(DISPATCH_HANDLER)
-        dispatcher.add_handler(DISPATCH_HANDLER, self._forwarded)
-        self._dispatching = True
+        try:
+            dispatcher.remove_handler(DISPATCH_HANDLER)
+            dispatcher.add_handler(DISPATCH_HANDLER, self._forwarded)
+        except Exception as err:
+            with suppress(Exception), dispatcher._lock:
+                dispatcher.handlers = before
+            self._to_log(f"console: Ray's forwarded output is shown as Ray prints it ({root_cause(err)})")
+            return
+        self._dispatcher, self._saved_dispatch = dispatcher, saved
 
     def _forwarded(self, data: dict[str, Any]) -> None:
+        """Ray's log thread calls this for each batch of a process's lines: an exception here
+        would end that thread, and all forwarding with it, so none leaves."""
+        try:
+            self._forward(data)
+        except Exception as err:
+            with suppress(Exception):
+                self._to_log(
+                    f"console: a batch of forwarded output could not be shown ({root_cause(err)}): {data!r:.2000}"
+                )
+
+    def _forward(self, data: dict[str, Any]) -> None:
         lines = data.get("lines", [])
         if data.get("pid") == "autoscaler":  # its status every few seconds; Ray keeps the events only
-            from ray._private.worker import filter_autoscaler_events
-
-            lines = list(filter_autoscaler_events(lines))
+            lines = _autoscaler_events(lines)
         source = data.get("actor_name") or data.get("task_name") or "worker"
         prefix = f"({source} pid={data.get('pid')}{', ip=' + str(data.get('ip')) if data.get('ip') else ''})"
         for line in lines:
             self._to_log(f"{prefix} {line}")
             if ANSI.sub("", line).lstrip().startswith("warning:"):
                 self.display.line(ANSI.sub("", line).strip())
+
+    @staticmethod
+    def _put_back(dispatcher: Any, saved: list) -> None:
+        """Ray's own handler back in place of this console's."""
+        with suppress(Exception):
+            dispatcher.remove_handler(DISPATCH_HANDLER)
+            for name, handler in saved:
+                dispatcher.add_handler(name, handler)
 
     def _restore(self) -> None:
         for name, (handlers, propagate) in self._saved_loggers.items():
@@ -284,10 +323,6 @@ class Console:
         if self._showwarning is not None:
             warnings.showwarning = self._showwarning
             self._showwarning = None
-        if self._dispatching:
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-            dispatcher.remove_handler(DISPATCH_HANDLER)
-            for name, handler in self._saved_dispatch:
-                dispatcher.add_handler(name, handler)
-            self._saved_dispatch, self._dispatching = [], False
+        if self._dispatcher is not None:
+            self._put_back(self._dispatcher, self._saved_dispatch)
+            self._dispatcher, self._saved_dispatch = None, []

@@ -6,7 +6,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,15 @@ import yaml
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.launch import storage
-from raytrain_loops.launch.rundir import PRECISION_FILE, Finished, RunLock, check_config, finished, record_changes
+from raytrain_loops.launch.rundir import (
+    PRECISION_FILE,
+    Finished,
+    RunLock,
+    check_config,
+    checkpoint_dirs,
+    finished,
+    record_changes,
+)
 from raytrain_loops.launch.stops import StopBoard, fit_or_stop
 from raytrain_loops.launch.tracking import Tracking, open_tracking, tracked
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
@@ -24,6 +35,63 @@ from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 class DataError(ValueError):
     """A data file, directory or column a task needs is missing."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The driver was interrupted (Ctrl-C, SIGTERM) while its run trained; Ray Train stopped the
+    workers. Running the same command again resumes the run from ``checkpoint`` (None: from its
+    first step). ``signum``: the signal."""
+
+    def __init__(self, run_dir: str, checkpoint: str | None, signum: int):
+        self.run_dir, self.checkpoint, self.signum = run_dir, checkpoint, signum
+        where = f"its last checkpoint: {checkpoint}" if checkpoint else "it has no checkpoint yet"
+        super().__init__(f"the run in {run_dir} was interrupted ({signal.Signals(signum).name}); {where}")
+
+
+@contextmanager
+def _signals_seen() -> Iterator[set[int] | None]:
+    """The signals the process receives in the block, whichever Python handler runs for them:
+    Ray Train puts its own SIGINT handler in place for the time of a run (it aborts the run, and
+    the driver then ends with a ``SystemExit``), Ray's driver its own for SIGTERM. They are read
+    from the wakeup file descriptor (:func:`signal.set_wakeup_fd`), which the C-level handler
+    writes for every signal. None, and nothing changed, off the main thread or where a wakeup
+    descriptor is already set (an asyncio loop's)."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        yield None
+        return
+    seen: set[int] = set()
+    try:
+        yield seen
+    finally:
+        signal.set_wakeup_fd(-1)
+        with suppress(BlockingIOError):
+            seen.update(os.read(read, 4096))
+        os.close(read)
+        os.close(write)
+
+
+def last_checkpoint(run_dir: str) -> str | None:
+    """The run's newest checkpoint whose workers all wrote their manifests (their files are
+    verified when a run resumes from it); None when there is none."""
+    for path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            world = int(json.loads(storage.read_text(storage.join(path, "manifest.rank0.json")) or "{}")["world_size"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if all(storage.exists(storage.join(path, f"manifest.rank{rank}.json")) for rank in range(1, world)):
+            return path
+    return None
 
 
 @dataclass
@@ -238,7 +306,8 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     """Train ``config`` (a Config, a dict, or a YAML path with ``overrides``) on Ray Train.
 
     ``task`` replaces ``config.task`` with your own :class:`~raytrain_loops.tasks.Task` object.
-    Raises ConfigError or DataError before Ray starts when the config or data is wrong.
+    Raises ConfigError or DataError before Ray starts when the config or data is wrong, and
+    :class:`RunInterrupted` when a Ctrl-C or a SIGTERM stops the run (the same call resumes it).
     """
     if not isinstance(config, Config):
         config = load_config(config, overrides)
@@ -248,6 +317,10 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
     run_dir = storage.join(config.run.storage_path, name)
+    try:
+        storage.make_dirs(run_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError("run.storage_path", f"cannot create the run directory {run_dir}: {err}") from None
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)
@@ -256,7 +329,15 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
             return _finished_result(run_dir, done)
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
-        return _train(config, task, splits, rows, name, run_dir, tracking)
+        with _signals_seen() as seen:
+            try:
+                return _train(config, task, splits, rows, name, run_dir, tracking)
+            except (KeyboardInterrupt, SystemExit) as err:
+                stop = err
+        if seen is not None and not seen & {signal.SIGINT, signal.SIGTERM}:
+            raise stop  # no signal's: not an interruption
+        signum = signal.SIGTERM if seen and signal.SIGTERM in seen else signal.SIGINT
+        raise RunInterrupted(run_dir, last_checkpoint(run_dir), signum) from None
 
 
 def warn_emulated_bf16(config: Config) -> bool:

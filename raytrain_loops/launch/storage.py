@@ -43,6 +43,16 @@ def upload_dir(local: str, dest: str) -> None:
     pafs.copy_files(local, root, destination_filesystem=fs)
 
 
+def make_dirs(path: str) -> None:
+    """Create the directory ``path`` (local or URI) with its parents; nothing when it exists.
+    Raises OSError (or ValueError, for a URI pyarrow does not understand) when it cannot be."""
+    if is_uri(path):
+        fs, root = _fs(path)
+        fs.create_dir(root, recursive=True)
+        return
+    Path(path).expanduser().mkdir(parents=True, exist_ok=True)
+
+
 def write_text(dest: str, text: str) -> None:
     """Write a small text file to a local path or a URI."""
     write_bytes(dest, text.encode())

@@ -6,17 +6,21 @@ rank 0 of every attempt attaches to that run (:class:`MlflowLog`) and logs the i
 evaluations, already reduced over all workers, with their step; the driver logs the run's files as
 artifacts and ends the run. A restarted group, a resumed run or a rerun continues the same MLflow
 run, and steps that a restarted group replays are not logged twice.
+
+A tracking store that stops answering never stalls training: every request is bounded (MLflow's
+own defaults retry a request for minutes), the driver gives up on the first failure, and rank 0
+logs from a bounded queue that nothing waits on for long.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +37,23 @@ ARTIFACTS = ("summary.json", "config.yaml", "curves.png", "config_changes.jsonl"
 MAX_PARAM_VALUE = 6000
 PARAMS_PER_CALL = 100
 METRICS_PER_CALL = 1000
-FLUSH_TIMEOUT_S = 30.0  # how long an evaluation or a checkpoint waits for the metrics sent before it
+# MLflow's HTTP settings (its defaults: 120 s a request, 7 retries with backoff; minutes in all).
+# One retry each, so that a blip neither fails a run's start nor loses metrics or its end; the
+# driver's requests wait longer for an answer than rank 0's. A value the user set in the
+# environment wins.
+DRIVER_HTTP = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+WORKER_HTTP = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+MAX_PENDING = 1000  # rank 0's batches waiting to be sent; more are dropped and counted
+SETTLE_S = 5.0  # how long an evaluation or a checkpoint waits for the metrics before it, while the store keeps up
+CLOSE_S = 30.0  # how long an attempt's end waits for the metrics still queued, while the store answers
 
 
 @dataclass(frozen=True)
@@ -82,21 +102,27 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def _set_defaults(settings: dict[str, str]) -> list[str]:
+    """Set the environment variables of ``settings`` that are unset; the names set."""
+    added = [k for k in settings if k not in os.environ]
+    for k in added:
+        os.environ[k] = settings[k]
+    return added
+
+
+def _unset(names: list[str]) -> None:
+    for k in names:
+        os.environ.pop(k, None)
+
+
 @contextmanager
-def _fail_fast() -> Iterator[None]:
-    """An unreachable tracking server fails the check in seconds (MLflow retries for minutes);
-    the user's own settings win."""
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+def _http_limits(settings: dict[str, str] = DRIVER_HTTP) -> Iterator[None]:
+    """MLflow's requests in the block bounded by ``settings`` (the user's own values win)."""
+    added = _set_defaults(settings)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _unset(added)
 
 
 def _reason(err: Exception) -> str:
@@ -111,7 +137,7 @@ def open_tracking(cfg: MlflowConfig, default_experiment: str = "raytrain-loops")
         return None
     uri = resolve_uri(cfg.tracking_uri)
     name = cfg.experiment or default_experiment
-    with _fail_fast():
+    with _http_limits():
         try:
             mlflow_client = client(uri)
             experiment = mlflow_client.get_experiment_by_name(name)
@@ -178,7 +204,13 @@ def start_run(
 ) -> TrackedRun:
     """Reopen the run directory's MLflow run, or create it and record its id there; log the
     config's keys the run does not have yet as params (MLflow never changes a param: a rerun's
-    accepted changes are in the ``config_changes.jsonl`` and ``config.yaml`` artifacts)."""
+    accepted changes are in the ``config_changes.jsonl`` and ``config.yaml`` artifacts). Each
+    request is bounded (``DRIVER_HTTP``); a failure ends the run before Ray starts."""
+    with _http_limits():
+        return _start_run(tracking, run_dir, name, config, tags)
+
+
+def _start_run(tracking: Tracking, run_dir: str, name: str, config: Config, tags: dict[str, str] | None) -> TrackedRun:
     mlflow_client = client(tracking.tracking_uri)
     run_id = _recorded_run(mlflow_client, run_dir)
     if run_id is None:
@@ -205,17 +237,24 @@ def log_params(mlflow_client, run_id: str, params: dict[str, Any], present: dict
 
 def end_run(run: TrackedRun, run_dir: str, status: str) -> None:
     """Log the run directory's files as artifacts and end the MLflow run with ``status``. A
-    failure here is a warning: it must not hide the run's own outcome."""
+    failure here is a warning: it must not hide the run's own outcome. Each request is bounded
+    (``DRIVER_HTTP``) and the first failure ends the attempt, so a store that stopped answering
+    costs one request's timeout."""
     try:
-        mlflow_client = client(run.tracking_uri)
-        with tempfile.TemporaryDirectory(prefix="raytrain-mlflow-") as tmp:
-            for name in ARTIFACTS:
-                path = _local_copy(storage.join(run_dir, name), tmp)
-                if path is not None:
-                    mlflow_client.log_artifact(run.run_id, path)
-        mlflow_client.set_terminated(run.run_id, status)
+        with _http_limits():
+            _end_run(run, run_dir, status)
     except Exception as err:
         print(f"warning: could not end the MLflow run {run.run_id}: {_reason(err)}", flush=True)
+
+
+def _end_run(run: TrackedRun, run_dir: str, status: str) -> None:
+    mlflow_client = client(run.tracking_uri)
+    with tempfile.TemporaryDirectory(prefix="raytrain-mlflow-") as tmp:
+        for name in ARTIFACTS:
+            path = _local_copy(storage.join(run_dir, name), tmp)
+            if path is not None:
+                mlflow_client.log_artifact(run.run_id, path)
+    mlflow_client.set_terminated(run.run_id, status)
 
 
 def _local_copy(path: str, tmp: str) -> str | None:
@@ -260,35 +299,123 @@ def tracked(
 def finish_sweep(tracking: Tracking, sweep: str, failed: set[str]) -> None:
     """End the runs of a sweep's trials that a scheduler stopped before they could end their own
     (their actors are killed): FAILED for the trials in ``failed``, FINISHED for the others."""
-    mlflow_client = client(tracking.tracking_uri)
-    runs = mlflow_client.search_runs(
-        [tracking.experiment_id], filter_string=f"tags.sweep = '{sweep}' and attributes.status = 'RUNNING'"
-    )
-    for run in runs:
-        trial = run.data.tags.get("trial", "")
-        mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
+    with _http_limits():
+        mlflow_client = client(tracking.tracking_uri)
+        runs = mlflow_client.search_runs(
+            [tracking.experiment_id], filter_string=f"tags.sweep = '{sweep}' and attributes.status = 'RUNNING'"
+        )
+        for run in runs:
+            trial = run.data.tags.get("trial", "")
+            mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
 
 
 class MlflowLog(Callback):
     """Rank 0's metrics in the MLflow run: each logging interval's metrics (averaged over all
-    workers) and each evaluation, at their step, in one ``log_batch`` per call.
+    workers) and each evaluation, at their step.
 
-    The requests go out on a background thread, so the training thread never waits on the
-    tracking store. Before the first, the thread reads which steps the run already has: a
-    restarted group replays the steps since its checkpoint, and those the failed attempt had
-    logged are left out, so every metric has one value per step.
+    The requests go out from a background thread, fed by a queue of at most ``max_pending``
+    batches, so the training thread never waits on the tracking store: a batch that finds the
+    queue full is dropped and counted, and batches that waited behind a slow request go out
+    together. An evaluation and a checkpoint wait up to ``SETTLE_S`` for the metrics before them
+    (the report that carries them may end the process: Tune stops a trial on it), but only while
+    the store keeps up: not after a failed request, nor after such a wait ran out, until the
+    queue drains again. The attempt's end waits up to ``CLOSE_S``, and not once a request failed.
+    Requests are bounded by ``WORKER_HTTP``. What was not logged is reported once, at the end.
+
+    Before the first batch, the thread reads which steps the run already has: a restarted group
+    replays the steps since its checkpoint, and those the failed attempt had logged are left out,
+    so every metric has one value per step.
     """
 
-    def __init__(self, run: TrackedRun | None, rank: int):
+    def __init__(self, run: TrackedRun | None, rank: int, max_pending: int = MAX_PENDING):
         self.enabled = run is not None and rank == 0
         if not self.enabled:
             return
         self.run = run
         self.logged: dict[str, int] = {}
         self.client = None
-        self.failures = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-log")
-        self._pool.submit(self._attach)
+        self.max_pending = max_pending
+        self.failures = 0  # requests that failed
+        self.dropped = 0  # metric values dropped with the queue full
+        self.unsent = 0  # metric values of failed requests, and those still waiting at the end
+        # All of the below is shared with the thread, under this condition.
+        self._changed = threading.Condition()
+        self._pending: deque[tuple[dict[str, float], int, int]] = deque()
+        self._in_flight = 0  # metric values in the request under way
+        self._submitted = self._done = 0  # batches queued, and batches the thread is through with
+        self._failing = False  # the last request failed
+        self._behind = False  # a wait at an evaluation or a checkpoint ran out; until the queue drains
+        self._closing = self._abandoned = False
+        self._env = _set_defaults(WORKER_HTTP)
+        self._thread = threading.Thread(target=self._work, name="mlflow-log", daemon=True)
+        self._thread.start()
+
+    def on_interval(self, metrics: dict[str, float], step: int) -> None:
+        if self.enabled:
+            self._submit({k: v for k, v in metrics.items() if k != "step"}, step)
+
+    def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        if self.enabled:
+            self._submit(metrics, step)
+            self._settle()
+
+    def before_checkpoint(self) -> None:
+        if self.enabled:
+            self._settle()
+
+    def _submit(self, metrics: dict[str, float], step: int) -> None:
+        with self._changed:
+            if len(self._pending) < self.max_pending:
+                self._pending.append((dict(metrics), step, int(time.time() * 1000)))
+                self._submitted += 1
+                self._changed.notify_all()
+                return
+            first = not self.dropped
+            self.dropped += len(metrics)
+        if first:
+            print(
+                f"warning: MLflow is {self.max_pending} batches behind: metrics are dropped from step {step} "
+                "until it catches up (counted; training goes on)",
+                flush=True,
+            )
+
+    def _settle(self) -> None:
+        if not (self._failing or self._behind) and not self._wait(SETTLE_S) and not self._failing:
+            self._behind = True
+
+    def _wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the batches queued so far to be through, and not
+        once a request fails; whether they are."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            target = self._submitted
+            while self._done < target and not self._failing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._done >= target
+
+    def _work(self) -> None:
+        self._attach()
+        while True:
+            with self._changed:
+                while not (self._pending or self._closing or self._abandoned):
+                    self._changed.wait()
+                if self._abandoned or not self._pending:
+                    return
+                # The batches that waited behind a slow request go out with it, in one request.
+                items = [self._pending.popleft()]
+                while self._pending and _values(items) + len(self._pending[0][0]) <= METRICS_PER_CALL:
+                    items.append(self._pending.popleft())
+                self._in_flight = _values(items)
+            self._log(items)
+            with self._changed:
+                self._done += len(items)
+                self._in_flight = 0
+                if not self._pending:
+                    self._behind = False
+                self._changed.notify_all()
 
     def _attach(self) -> None:
         try:
@@ -298,49 +425,61 @@ class MlflowLog(Callback):
                 history = self.client.get_metric_history(self.run.run_id, key)
                 self.logged[key] = max((m.step for m in history), default=-1)
         except Exception as err:
-            self._warn(err)
+            self._failed(err, 0)
 
-    def on_interval(self, metrics: dict[str, float], step: int) -> None:
-        if self.enabled:
-            self._submit({k: v for k, v in metrics.items() if k != "step"}, step)
-
-    def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        if self.enabled:
-            self._submit(metrics, step)
-            # The report carrying an evaluation may end the process (Tune stops a trial on it):
-            # the evaluation is in MLflow first, unless the store is slow.
-            self._wait(FLUSH_TIMEOUT_S)
-
-    def before_checkpoint(self) -> None:
-        if self.enabled:
-            self._wait(FLUSH_TIMEOUT_S)
-
-    def _submit(self, metrics: dict[str, float], step: int) -> None:
-        self._pool.submit(self._log, dict(metrics), step, int(time.time() * 1000))
-
-    def _wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the requests sent so far."""
-        with suppress(FuturesTimeout):
-            self._pool.submit(lambda: None).result(timeout=timeout)
-
-    def _log(self, metrics: dict[str, float], step: int, timestamp: int) -> None:
+    def _log(self, items: list[tuple[dict[str, float], int, int]]) -> None:
         from mlflow.entities import Metric
 
-        batch = [Metric(k, float(v), timestamp, step) for k, v in metrics.items() if step > self.logged.get(k, -1)]
-        try:
-            for i in range(0, len(batch), METRICS_PER_CALL):
+        batch = [
+            Metric(k, float(v), timestamp, step)
+            for metrics, step, timestamp in items
+            for k, v in metrics.items()
+            if step > self.logged.get(k, -1)
+        ]
+        for i in range(0, len(batch), METRICS_PER_CALL):
+            try:
                 self.client.log_batch(self.run.run_id, metrics=batch[i : i + METRICS_PER_CALL])
-        except Exception as err:
-            self._warn(err)
+            except Exception as err:
+                self._failed(err, len(batch) - i)
+                return
+            with self._changed:
+                self._failing = False
 
-    def _warn(self, err: Exception) -> None:
-        self.failures += 1
+    def _failed(self, err: Exception, values: int) -> None:
+        with self._changed:
+            self.failures += 1
+            if not self._abandoned:  # else counted by close
+                self.unsent += values
+            self._failing = True
+            self._changed.notify_all()
         if self.failures == 1:  # the rest are counted, not printed: the store may be down for long
             print(f"warning: MLflow logging failed (training goes on): {_reason(err)}", flush=True)
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._pool.shutdown(wait=True)
-        if self.failures > 1:
-            print(f"warning: {self.failures} MLflow requests failed in this attempt", flush=True)
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        drained = self._wait(CLOSE_S)
+        with self._changed:
+            if not drained:  # the request under way ends within its timeout; none follows it
+                self._abandoned = True
+                self.unsent += self._in_flight + _values(self._pending)
+                self._pending.clear()
+                self._changed.notify_all()
+        if drained:
+            self._thread.join(timeout=1.0)
+        _unset(self._env)
+        parts = [f"{self.failures} requests failed"] if self.failures else []
+        if self.dropped:
+            parts.append(f"{self.dropped} metric values dropped with {self.max_pending} batches waiting")
+        if self.unsent:
+            parts.append(f"{self.unsent} metric values not sent (failed, or waiting at the end)")
+        if parts:
+            print(f"warning: MLflow logging of this attempt: {', '.join(parts)}", flush=True)
+
+
+def _values(items) -> int:
+    """The metric values in queued batches."""
+    return sum(len(metrics) for metrics, _, _ in items)
