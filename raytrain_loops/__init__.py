@@ -50,14 +50,14 @@ __all__ = [
 
 
 def fit(config: Any, task: Task | None = None, overrides: list[str] | None = None):
-    """Train on Ray Train; see :func:`raytrain_loops.launch.fit.fit`."""
-    from raytrain_loops.launch.fit import fit as _fit
+    """Train on Ray Train; see :func:`raytrain_loops.driver.fit.fit`."""
+    from raytrain_loops.driver.fit import fit as _fit
 
     return _fit(config, task=task, overrides=overrides)
 
 
 def tune(config: Any, sweep: Any, task: Task | None = None, overrides: list[str] | None = None):
-    """A Ray Tune search over ``config``; see :func:`raytrain_loops.launch.tune.tune`."""
-    from raytrain_loops.launch.tune import tune as _tune
+    """A Ray Tune search over ``config``; see :func:`raytrain_loops.sweeps.tune.tune`."""
+    from raytrain_loops.sweeps.tune import tune as _tune
 
     return _tune(config, sweep, task=task, overrides=overrides)

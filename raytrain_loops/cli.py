@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "submit":
         import os
 
-        from raytrain_loops.launch.submit import submit
+        from raytrain_loops.jobs.submit import submit
 
         address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
         try:
@@ -84,17 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"raytrain-loops: submission to {address} failed: {err}", file=sys.stderr)
             return 1
 
-    from raytrain_loops.launch.fit import DataError, RunInterrupted
+    from raytrain_loops.driver.fit import RunInterrupted
+    from raytrain_loops.driver.preflight import DataError
 
     again = shlex.join(["raytrain-loops", *argv])
     try:
         config = load_config(recipes.resolve(args.recipe), args.overrides)
         if args.command == "tune":
-            from raytrain_loops.launch.tune import tune
+            from raytrain_loops.sweeps.tune import tune
 
             swept = tune(config, args.sweep)
         else:
-            from raytrain_loops.launch.fit import fit
+            from raytrain_loops.driver.fit import fit
 
             result = fit(config)
     except (ConfigError, DataError) as err:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytrain-loops: {args.command} interrupted; the same command runs it again: {again}", file=sys.stderr)
         return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
-        from raytrain_loops.launch.errors import root_cause, worker_traceback
+        from raytrain_loops.driver.errors import root_cause, worker_traceback
 
         trace = worker_traceback(err)
         if trace:

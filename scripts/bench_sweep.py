@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from raytrain_loops import tune
-    from raytrain_loops.launch.fit import start_local_ray
+    from raytrain_loops.driver.ray_start import start_local_ray
     from raytrain_loops.recipes import resolve
 
     work = Path(tempfile.mkdtemp(prefix="bench-sweep-"))

@@ -31,7 +31,7 @@ def ray_session():
     """A local Ray with 4 logical CPUs: two 1-CPU training workers and room for Ray Data."""
     import ray
 
-    from raytrain_loops.launch.fit import start_local_ray
+    from raytrain_loops.driver.ray_start import start_local_ray
 
     # Workers import test and example modules by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

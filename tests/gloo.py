@@ -65,7 +65,7 @@ PRELOAD = [
     "raytrain_loops.engine",
     "raytrain_loops.engine.loop",
     "raytrain_loops.engine.sharding",
-    "raytrain_loops.engine.throughput",
+    "raytrain_loops.callbacks.throughput",
     "raytrain_loops.recipes",
     "raytrain_loops.tasks.detr",
     "raytrain_loops.tasks.dino",

@@ -11,9 +11,10 @@ import re
 import pytest
 import torch
 
+from raytrain_loops.callbacks.spike_guard import SpikeDetector
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import checkpoint as ckpt
-from raytrain_loops.engine.guards import LossSpikeError, SpikeDetector
+from raytrain_loops.engine.guards import LossSpikeError
 from raytrain_loops.recipes import resolve
 
 

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from raytrain_loops.launch.clusters import effective_config, problems, ray_schema
+from raytrain_loops.tools.check_clusters import effective_config, main, problems, ray_schema
 
 CLUSTERS = Path(__file__).resolve().parents[1] / "clusters"
 LAUNCHERS = sorted(CLUSTERS.glob("*.yaml"))
@@ -245,3 +245,14 @@ def test_the_dockerfile_lint_wants_pinned_images_and_torch(tmp_path):
     digest = "rayproject/ray@sha256:" + "0" * 64
     bad.write_text(DOCKERFILE.read_text().replace("rayproject/ray:2.60.0-py311-gpu", digest))
     assert problems(bad) == []
+
+
+def test_the_lint_is_a_command_whose_exit_status_says_whether_a_file_has_problems(tmp_path, capsys):
+    broken = tmp_path / "aws.yaml"
+    cfg = yaml.safe_load((CLUSTERS / "aws.yaml").read_text())
+    cfg["head_start_ray_commands"] = ["ray start --head --dashboard-host=0.0.0.0"]
+    broken.write_text(yaml.safe_dump(cfg))
+    assert main([str(CLUSTERS / "aws.yaml")]) == 0
+    assert main([str(broken)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out and all(line.startswith("aws.yaml: head_start_ray_commands") for line in out), out

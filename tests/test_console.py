@@ -15,9 +15,12 @@ import pytest
 import ray._private.ray_logging as ray_logging
 from ray.util.annotations import RayDeprecationWarning
 
-from raytrain_loops.launch.console import Announcer, Console, Display, Sender
-from raytrain_loops.launch.runlog import RunLog
-from raytrain_loops.launch.tune import TrialLines, _Decisions
+from raytrain_loops.callbacks.run_log import RunLog
+from raytrain_loops.console.capture import Console
+from raytrain_loops.console.display import Display
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.controller.announcer import Announcer
+from raytrain_loops.sweeps.tune import TrialLines, _Decisions
 
 
 class Terminal(io.StringIO):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from raytrain_loops import fit
+from raytrain_loops.callbacks import throughput
+from raytrain_loops.driver.errors import TrainingStopped
+from raytrain_loops.driver.tracking import RUN_ID_FILE
 from raytrain_loops.engine import checkpoint as ckpt
-from raytrain_loops.engine import throughput
-from raytrain_loops.launch.errors import TrainingStopped
-from raytrain_loops.launch.tracking import RUN_ID_FILE
 from raytrain_loops.recipes import resolve
 from tests.recording import counted_batches
 from tests.runfiles import records, tb_scalars

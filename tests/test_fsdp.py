@@ -255,7 +255,8 @@ def _save(engine: Engine, run: str, rank: int, world: int) -> None:
 
 
 def _restore(engine: Engine, run: str, rank: int, world: int):
-    from raytrain_loops.launch.checkpoints import RayReporter, candidates
+    from raytrain_loops.worker.reporter import RayReporter
+    from raytrain_loops.worker.restore import candidates
 
     reporter = RayReporter(engine, rank, world, run)
     position = reporter.restore_from(candidates(run, None))
@@ -580,7 +581,7 @@ def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them
 
     from examples.custom_task import SpiralTask
     from raytrain_loops import fit
-    from raytrain_loops.launch import fit as fit_module
+    from raytrain_loops.driver import fit as fit_module
     from tests.test_rundir import RayWouldStart, _config, _started
 
     def stop(*args, **kwargs):
@@ -600,7 +601,7 @@ def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them
 def test_compile_or_checkpointing_on_a_task_without_blocks_is_refused_before_ray_starts(tmp_path, monkeypatch):
     from examples.custom_task import CONFIG, SpiralTask
     from raytrain_loops import ConfigError, fit
-    from raytrain_loops.launch import fit as fit_module
+    from raytrain_loops.driver import fit as fit_module
 
     def ray_must_not_start(*args, **kwargs):
         raise AssertionError("Ray started")

@@ -236,7 +236,7 @@ class Intervals(Callback):
 
 
 def test_throughput_reports_tflops_mfu_and_the_intervals_peak_gpu_memory():
-    from raytrain_loops.engine.throughput import Throughput, gpu_peak_tflops
+    from raytrain_loops.callbacks.throughput import Throughput, gpu_peak_tflops
 
     peak = gpu_peak_tflops(torch.cuda.get_device_name())  # None (and a warning) for a GPU not in the table
     overrides = [] if peak else ["logging.throughput.peak_tflops=100"]

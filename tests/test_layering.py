@@ -22,7 +22,7 @@ def test_a_worker_imports_only_the_task_it_runs_and_the_console_feed_imports_nei
     must not pay for every built-in task's libraries (torchmetrics, SciPy: detection), and the
     console's feed actor, started for every run, must not import torch."""
     heavy = ("torchmetrics", "scipy")
-    assert _imported("import raytrain_loops.launch.worker", heavy) == []
-    assert _imported("import raytrain_loops.launch.feed", ("torch", "ray")) == []
+    assert _imported("import raytrain_loops.worker.train", heavy) == []
+    assert _imported("import raytrain_loops.console.feed", ("torch", "ray")) == []
     # A task named in a recipe is imported then, with its own libraries.
     assert _imported("from raytrain_loops.tasks import build_task; build_task('detr', {})", heavy) == sorted(heavy)

@@ -11,12 +11,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from raytrain_loops.callbacks.run_log import RunLog
+from raytrain_loops.callbacks.spike_guard import SpikeGuard
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine.guards import LossSpikeError, NonFiniteError
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
-from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position, SpikeGuard
-from raytrain_loops.launch.runlog import RunLog
+from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars

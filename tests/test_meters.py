@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine import dist as engine_dist
 from raytrain_loops.engine.meters import Meters, Smoother
-from raytrain_loops.launch.runlog import RunLog
 from tests import fakes
 from tests.gloo import run_gloo
 

@@ -73,7 +73,7 @@ def test_a_recorded_dtype_that_is_not_one_is_refused():
 
 
 def test_an_explicit_bf16_on_an_emulating_cpu_warns_once_before_a_local_ray(monkeypatch, capsys):
-    from raytrain_loops.launch.fit import warn_emulated_bf16
+    from raytrain_loops.driver.preflight import warn_emulated_bf16
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(precision, "hardware", lambda device: CPU_EMULATED)

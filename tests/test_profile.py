@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_loops.callbacks.profiler import Profile
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
-from raytrain_loops.launch.profile import Profile
 from tests import fakes
 from tests.fakes import RecordingReporter
 from tests.test_loop import FakeSource, _evaluate

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from raytrain_loops import ConfigError, ParquetSplit, fit
+from raytrain_loops.driver.preflight import DataError
 from raytrain_loops.engine import precision
-from raytrain_loops.launch.fit import DataError
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
 
@@ -216,8 +216,8 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
 
 
 def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_complete_checkpoint(tmp_path, monkeypatch):
-    import raytrain_loops.launch.fit as fit_module
-    from raytrain_loops.launch.fit import RunInterrupted
+    import raytrain_loops.driver.fit as fit_module
+    from raytrain_loops.driver.fit import RunInterrupted
 
     def trains_until(signum: int, code: int):
         def train(config, task, splits, rows, name, run_dir, tracking):
@@ -276,7 +276,7 @@ class _PointedDigits(DigitsTask):
 
 
 def test_missing_parquet_file_or_column_is_named_before_ray_starts(tmp_path, monkeypatch):
-    import raytrain_loops.launch.fit as fit_module
+    import raytrain_loops.driver.fit as fit_module
 
     def ray_must_not_start(*args, **kwargs):
         raise AssertionError("Ray was started before the data was checked")
@@ -301,8 +301,8 @@ def test_the_trainer_shards_parquet_splits_in_order_and_regardless_of_where_work
     # decide which rows it gets.
     from examples.custom_task import SpiralTask
     from raytrain_loops.config import load_config
-    from raytrain_loops.launch.stops import StopBoard
-    from raytrain_loops.launch.trainer import build_trainer
+    from raytrain_loops.driver.stops import StopBoard
+    from raytrain_loops.driver.trainer import build_trainer
 
     task = SpiralTask()
     config = load_config(None, [f"run.storage_path={tmp_path}"])

@@ -15,12 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from raytrain_loops.callbacks.run_log import RunLog, kept_files
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.launch.checkpoints import RayReporter, candidates
-from raytrain_loops.launch.runlog import RunLog, kept_files
+from raytrain_loops.worker.reporter import RayReporter
+from raytrain_loops.worker.restore import candidates
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars
@@ -191,7 +192,7 @@ def test_a_worker_whose_listing_lags_restores_the_newest_checkpoint_with_the_oth
 
 
 def _agree(rank: int, world: int, loaded: list[dict]) -> None:
-    from raytrain_loops.launch.checkpoints import agree
+    from raytrain_loops.worker.restore import agree
 
     agree(loaded[rank], rank)
 

@@ -19,9 +19,9 @@ import yaml
 from examples.custom_task import CONFIG, SpiralTask
 from raytrain_loops import ConfigError, fit
 from raytrain_loops.config import load_config
+from raytrain_loops.driver import fit as fit_module
+from raytrain_loops.driver.run_dir import RunLock, RunLocked
 from raytrain_loops.engine import checkpoint as ckpt
-from raytrain_loops.launch import fit as fit_module
-from raytrain_loops.launch.rundir import RunLock, RunLocked
 
 
 class RayWouldStart(Exception):
@@ -96,7 +96,7 @@ def test_a_rerun_may_change_scaling_logging_run_and_length_and_says_so(tmp_path,
 
 
 def test_a_hashed_run_name_ignores_allow_config_change_and_keeps_the_length():
-    from raytrain_loops.launch.fit import run_name
+    from raytrain_loops.driver.preflight import run_name
 
     base = load_config(CONFIG)
     same = load_config(CONFIG, ["run.allow_config_change=true", "run.progress=false"])
@@ -120,7 +120,7 @@ def test_a_second_driver_on_the_same_run_directory_is_refused(tmp_path, no_ray):
 def test_a_lock_whose_driver_is_gone_or_silent_is_taken_over(tmp_path, capsys):
     run = str(tmp_path / "r")
     # A driver killed with SIGKILL while it held the lock.
-    code = f"from raytrain_loops.launch.rundir import RunLock; RunLock({run!r}).acquire(); print('held', flush=True); import time; time.sleep(60)"
+    code = f"from raytrain_loops.driver.run_dir import RunLock; RunLock({run!r}).acquire(); print('held', flush=True); import time; time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     with pytest.raises(RunLocked):

@@ -16,10 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from examples.custom_task import CONFIG, SpiralTask, spirals
 from raytrain_loops.config import load_config
 from raytrain_loops.data import GroupedBatchSampler, MapBatches
+from raytrain_loops.driver.preflight import DataError, planned_steps, prepare
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
-from raytrain_loops.launch.fit import DataError, planned_steps, prepare
 from raytrain_loops.tasks import MapSplit, Task
 from tests import fakes
 from tests.gloo import run_gloo

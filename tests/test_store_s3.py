@@ -17,10 +17,10 @@ import pyarrow.fs as pafs
 import pytest
 import yaml
 
+from raytrain_loops import storage
+from raytrain_loops.callbacks.run_log import RunLog
+from raytrain_loops.driver.run_dir import RunLock, RunLocked
 from raytrain_loops.engine import checkpoint as ckpt
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.rundir import RunLock, RunLocked
-from raytrain_loops.launch.runlog import RunLog
 from tests.runfiles import tb_scalars
 
 
@@ -113,7 +113,7 @@ def test_the_run_log_on_a_bucket_continues_from_the_checkpoint_the_next_attempt_
 def test_a_killed_workers_local_copies_are_removed_by_the_next_start(s3_root):
     run = storage.join(s3_root, "run")
     code = (
-        "from raytrain_loops.launch.runlog import RunLog; import sys, time; "
+        "from raytrain_loops.callbacks.run_log import RunLog; import sys, time; "
         f"log = RunLog({run!r}, rank=0, total_steps=8, progress=False); print(log.local_dir, flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
@@ -130,9 +130,9 @@ def test_a_killed_workers_local_copies_are_removed_by_the_next_start(s3_root):
 def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_removed(s3_root):
     import torch
 
+    from raytrain_loops.callbacks.profiler import Profile
     from raytrain_loops.config import load_config
     from raytrain_loops.engine import Engine
-    from raytrain_loops.launch.profile import Profile
     from tests import fakes
 
     run = storage.join(s3_root, "run")
@@ -163,7 +163,7 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
 
     from raytrain_loops.config import load_config
     from raytrain_loops.config.sweep import load_sweep
-    from raytrain_loops.launch.sweep_results import write_outputs
+    from raytrain_loops.sweeps.results import write_outputs
 
     monkeypatch.chdir(tmp_path)
     base = load_config(None)

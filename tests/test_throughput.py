@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from raytrain_loops.callbacks.throughput import Throughput, gpu_peak_tflops, peak_tflops
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, LossOutput, unwrap
 from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
-from raytrain_loops.engine.throughput import Throughput, gpu_peak_tflops, peak_tflops
 from tests import fakes
 from tests.fakes import RecordingReporter
 from tests.gloo import run_gloo
@@ -183,7 +183,7 @@ def test_the_count_includes_attention_and_skips_a_compiled_forward():
     backward). A CPU kernel of fused attention has no FLOP formula: a count on the live kernel
     would leave attention out. The copy drops ``nn.Module.compile``'s forward, which is bound to
     the original module (its backward would reach the live gradients)."""
-    from raytrain_loops.engine.throughput import plain_copy
+    from raytrain_loops.callbacks.throughput import plain_copy
     from raytrain_loops.tasks.lm import LMTask
 
     b, t, d, layers = 2, 16, 32, 2
@@ -205,8 +205,8 @@ def test_the_count_includes_attention_and_skips_a_compiled_forward():
 
 def _sharded(rank: int, world: int):
     """The tiny model sharded by FSDP2 over 2 workers, counted on its plain structure."""
+    from raytrain_loops.callbacks.throughput import plain_copy
     from raytrain_loops.engine.sharding import shard
-    from raytrain_loops.engine.throughput import plain_copy
 
     cfg = fakes.config(
         "schedules.lr.value=0.01", "logging.every_steps=2", "loop.max_steps=4", "logging.throughput.peak_tflops=0.001"

@@ -199,7 +199,7 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
 
 
 def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path):
-    from raytrain_loops.launch.tune import trial_base
+    from raytrain_loops.sweeps.tune import trial_base
 
     base = load_config(resolve("default"), ["scaling.num_workers=4", "run.name=mine"])
     sweep_dir = str(tmp_path / "sweeps #2" / "lr")  # YAML would cut an override string at " #"

@@ -88,33 +88,3 @@ class LossSpikeError(TrainingError):
     """The loss jumped far above its recent mean: the run diverged."""
 
 
-class SpikeDetector:
-    """Calls a spike when a step's loss (already averaged over all workers, so every worker
-    decides the same) exceeds ``factor`` times the mean of the previous ``window`` losses."""
-
-    def __init__(self, factor: float, window: int, min_steps: int):
-        from collections import deque
-
-        self.factor, self.min_steps = factor, min_steps
-        self.history: deque[float] = deque(maxlen=window)
-
-    def check(self, loss: float, step: int) -> None:
-        if self.factor <= 0 or not math.isfinite(loss):
-            return
-        if len(self.history) >= self.min_steps:
-            mean = sum(self.history) / len(self.history)
-            if mean > 0 and loss > self.factor * mean:
-                raise LossSpikeError(
-                    f"loss spike at step {step}: {loss:.4g} is {loss / mean:.1f}x the mean {mean:.4g} of the last "
-                    f"{len(self.history)} steps (spike.factor={self.factor:g})"
-                )
-        self.history.append(loss)
-
-    def state_dict(self) -> dict[str, list[float]]:
-        """The recent losses, so a resumed run calls a spike where the uninterrupted one would."""
-        return {"history": list(self.history)}
-
-    def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        """Restore what :meth:`state_dict` captured (the newest ``window`` losses of it)."""
-        self.history.clear()
-        self.history.extend(float(v) for v in state["history"])

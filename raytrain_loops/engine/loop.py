@@ -23,10 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
-from raytrain_loops.config.engine import AccumConfig, SpikeConfig
+from raytrain_loops.config.engine import AccumConfig
 from raytrain_loops.config.run import Config
 from raytrain_loops.engine import sharding
-from raytrain_loops.engine.guards import SpikeDetector
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.precision import autocast
@@ -39,7 +38,6 @@ __all__ = [
     "LoopSettings",
     "Position",
     "Reporter",
-    "SpikeGuard",
     "accum_steps",
     "evaluate",
     "timed_groups",
@@ -134,24 +132,6 @@ class Callback:
 
     def close(self) -> None:
         """When the loop ends, normally or on an error."""
-
-
-class SpikeGuard(Callback):
-    """Stops the run on a loss spike: each applied update's loss (the same on every worker) goes
-    to a :class:`SpikeDetector` built from the ``spike`` config section."""
-
-    def __init__(self, cfg: SpikeConfig):
-        self.detector = SpikeDetector(cfg.factor, cfg.window, cfg.min_steps)
-
-    def on_step(self, result: StepResult, step: int, epoch: int) -> None:
-        if result.applied:
-            self.detector.check(result.loss, step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.detector.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.detector.load_state_dict(state)
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ import ray.data
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raytrain_loops import storage
+from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.config import Config
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.checkpoints import KeepBest
-from raytrain_loops.launch.console import Sender
-from raytrain_loops.launch.stops import StopBoard
-from raytrain_loops.launch.tracking import TrackedRun
-from raytrain_loops.launch.worker import WorkerPayload, train_loop_per_worker
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.controller.keep_best import KeepBest
+from raytrain_loops.driver.stops import StopBoard
 from raytrain_loops.tasks import ParquetSplit, Task
+from raytrain_loops.worker.train import WorkerPayload, train_loop_per_worker
 
 
 def elastic(config: Config) -> bool:
@@ -112,7 +112,7 @@ def build_trainer(
 ) -> TorchTrainer:
     """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
-    is where its workers post a stop (read it back with :func:`~raytrain_loops.launch.stops.fit_or_stop`);
+    is where its workers post a stop (read it back with :func:`~raytrain_loops.driver.stops.fit_or_stop`);
     ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout);
     ``tracking``, the MLflow run rank 0 logs to; ``precision_warned``, that the driver warned of an
     emulated bf16 (rank 0 warns otherwise)."""

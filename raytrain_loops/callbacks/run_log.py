@@ -24,12 +24,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from raytrain_loops import storage
+from raytrain_loops.callbacks import throughput
 from raytrain_loops.config.engine import SmoothingConfig
-from raytrain_loops.engine import StepResult, throughput
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.engine import StepResult
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.meters import Smoother
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.console import Sender
 
 LOGS = ("metrics.jsonl", "eval.jsonl", "epochs.jsonl")
 TB = "tb"  # TensorBoard's event files, one per attempt
@@ -81,7 +82,7 @@ class RunLog(Callback):
     a file it does not name is removed (a log emptied); None keeps every file whole."""
 
     # Where the progress and evaluation lines go: the driver's console (set by the worker to the
-    # run's :class:`~raytrain_loops.launch.console.Sender`), else this process's stdout.
+    # run's :class:`~raytrain_loops.console.feed.Sender`), else this process's stdout.
     sender: Sender | None = None
 
     def __init__(

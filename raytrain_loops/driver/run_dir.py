@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
+from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.engine import checkpoint as ckpt_files
-from raytrain_loops.launch import storage
 
 LOCK = "driver.lock"
 CHANGES = "config_changes.jsonl"

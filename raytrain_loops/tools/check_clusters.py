@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -381,3 +382,30 @@ def problems(path: str | Path) -> list[str]:
         else:
             out += launcher_problems(doc, where)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m raytrain_loops.tools.check_clusters [FILE ...]``: every problem of each file (all
+    of ``clusters/`` when none is named), one a line; exit status 1 when there is any."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m raytrain_loops.tools.check_clusters", description=main.__doc__)
+    parser.add_argument("files", nargs="*", help="cluster YAMLs, KubeRay manifests, Dockerfiles (default: clusters/)")
+    args = parser.parse_args(argv)
+    files = args.files or sorted(
+        str(p) for p in Path("clusters").rglob("*") if p.suffix in (".yaml", ".yml") or p.name.startswith("Dockerfile")
+    )
+    if not files:
+        parser.error("no files named and no cluster files under ./clusters")
+    failed = 0
+    for f in files:
+        found = problems(f)
+        for problem in found:
+            print(problem)
+        print(f"{f}: {len(found)} problem(s)" if found else f"{f}: ok", file=sys.stderr)
+        failed += bool(found)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity
 
+from raytrain_loops import storage
 from raytrain_loops.config.engine import ProfileConfig
 from raytrain_loops.engine import StepResult
 from raytrain_loops.engine.loop import Callback
-from raytrain_loops.launch import storage
 
 
 class Profile(Callback):

@@ -1,8 +1,8 @@
 """What Ray Train runs on every worker: set the worker up, then hand the loop its Ray adapters.
 
 The loop itself is :class:`raytrain_loops.engine.loop.Loop` (no Ray); here it gets this worker's
-batches (:class:`~raytrain_loops.launch.batches.RayBatches`), a reporter that writes checkpoint
-files and calls ``ray.train.report`` (:class:`~raytrain_loops.launch.checkpoints.RayReporter`),
+batches (:class:`~raytrain_loops.worker.batches.RayBatches`), a reporter that writes checkpoint
+files and calls ``ray.train.report`` (:class:`~raytrain_loops.worker.reporter.RayReporter`),
 and the callbacks of a Ray run: the run log, the spike guard, injected faults, throughput and
 the profiler. See docs/architecture.md for the whole path.
 """
@@ -19,25 +19,26 @@ import ray.train
 import ray.train.torch
 import torch
 
+from raytrain_loops import storage
+from raytrain_loops.callbacks.faults import Faults
+from raytrain_loops.callbacks.mlflow_log import MlflowLog, TrackedRun
+from raytrain_loops.callbacks.profiler import Profile
+from raytrain_loops.callbacks.run_log import RunLog, kept_files
+from raytrain_loops.callbacks.spike_guard import SpikeGuard
+from raytrain_loops.callbacks.throughput import Throughput, plain_copy
 from raytrain_loops.config import Config
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.driver.errors import Stopped
+from raytrain_loops.driver.run_dir import PRECISION_FILE
+from raytrain_loops.driver.stops import StopBoard
 from raytrain_loops.engine import Engine, dist, precision, sharding, unwrap
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
-from raytrain_loops.engine.loop import Loop, LoopSettings, Position, SpikeGuard
+from raytrain_loops.engine.loop import Loop, LoopSettings, Position
 from raytrain_loops.engine.rng import seed_everything
-from raytrain_loops.engine.throughput import Throughput, plain_copy
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.batches import RayBatches
-from raytrain_loops.launch.checkpoints import RayReporter
-from raytrain_loops.launch.console import Sender
-from raytrain_loops.launch.errors import Stopped
-from raytrain_loops.launch.faults import Faults
-from raytrain_loops.launch.profile import Profile
-from raytrain_loops.launch.rundir import PRECISION_FILE
-from raytrain_loops.launch.runlog import RunLog, kept_files
-from raytrain_loops.launch.stops import StopBoard
-from raytrain_loops.launch.tracking import MlflowLog, TrackedRun
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+from raytrain_loops.worker.batches import RayBatches
+from raytrain_loops.worker.reporter import RayReporter
 
 
 @dataclass

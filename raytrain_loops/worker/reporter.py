@@ -1,23 +1,21 @@
-"""The loop's reporter on Ray: ``ray.train.report`` with checkpoint files, and the restore of a
-run's newest intact checkpoint. The files themselves are :mod:`raytrain_loops.engine.checkpoint`."""
+"""The loop's reporter on Ray; runs on every Ray Train worker: ``ray.train.report`` with checkpoint
+files, and the restore of a run's newest intact checkpoint (the workers' agreement on it:
+:mod:`raytrain_loops.worker.restore`). The files themselves are :mod:`raytrain_loops.engine.checkpoint`."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import shutil
 from typing import Any
 
 import ray
 import ray.train
-from ray.train.v2.api.callback import UserCallback
 
+from raytrain_loops import storage
 from raytrain_loops.engine import Engine, dist
 from raytrain_loops.engine import checkpoint as ckpt_files
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.rundir import checkpoint_dirs
+from raytrain_loops.worker.restore import FailedElsewhere, agree, candidates, merged_candidates
 
 
 class RayReporter:
@@ -111,7 +109,7 @@ class RayReporter:
         skipped: list[dict[str, str]] = []
         position, failure = None, None
         try:
-            for path in _merged(paths):
+            for path in merged_candidates(paths):
                 position = self._load_together(path, skipped)
                 if position is not None:
                     break
@@ -139,7 +137,7 @@ class RayReporter:
                 if position is None:
                     raise ckpt_files.CheckpointError(f"{init_checkpoint} is unusable: {skipped[-1]['reason']}")
                 self.loaded["init"] = True  # another run's checkpoint: this run starts from it
-        except _FailedElsewhere:
+        except FailedElsewhere:
             pass  # agree() below names the worker(s) and their errors
         except Exception as err:  # every worker learns of it below, instead of waiting on the others
             failure = err
@@ -183,7 +181,7 @@ class RayReporter:
         """Every worker's outcome of one step of loading ``path``, gathered: True when every worker
         succeeded. Damage on any worker: False on every worker, and ``skipped`` (identical on every
         worker) names it. Any other error: the worker that met it raises it, the others
-        :class:`_FailedElsewhere`."""
+        :class:`FailedElsewhere`."""
         damaged = isinstance(error, ckpt_files.CheckpointError)
         mine = {
             "damage": str(error) if damaged else None,
@@ -194,7 +192,7 @@ class RayReporter:
         if mine["failed"]:
             raise error
         if any(o["failed"] for o in everyone):
-            raise _FailedElsewhere
+            raise FailedElsewhere
         damage = {r: o["damage"] for r, o in enumerate(everyone) if o["damage"]}
         if not damage:
             return True
@@ -246,107 +244,3 @@ class RayReporter:
         return position, {"checkpoint": path, "model_sha256": digest, "world_size": world}
 
 
-class _FailedElsewhere(Exception):
-    """Another worker's restore failed (not for damage): :func:`agree` names it."""
-
-
-def _merged(paths: list[str]) -> list[str]:
-    """Every worker's candidate paths, merged, newest first: the same list on every worker."""
-    everyone = dist.all_gather_object(list(paths))
-    merged = {p for listing in everyone for p in listing}
-    return sorted(merged, key=lambda p: (ckpt_files.order_key(storage.name(p)), p), reverse=True)
-
-
-class RestoreMismatch(RuntimeError):
-    """The workers of a group did not all load the same checkpoint, or one of them failed to."""
-
-
-def candidates(run_dir: str, registered: str | None) -> list[str]:
-    """The run's checkpoint directories, newest first, with ``registered`` (the one Ray holds)
-    among them even when the listing does not show it."""
-    paths = checkpoint_dirs(run_dir)
-    if registered is not None and storage.name(registered) not in map(storage.name, paths):
-        # Ray's path is one on its file system (no scheme for a bucket): name it in the run's terms.
-        paths.append(storage.join(run_dir, storage.name(registered)))
-    return sorted(paths, key=lambda p: ckpt_files.order_key(storage.name(p)), reverse=True)
-
-
-def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | None = None) -> None:
-    """Check, across the process group (when one is running), that every worker restored the
-    same checkpoint with the same weights; raise :class:`RestoreMismatch` naming each worker's
-    (checkpoint, step, weights digest) when not. A worker whose own restore failed (``failure``)
-    re-raises its error; the others raise naming it, instead of training on without it."""
-    name = storage.name(loaded["checkpoint"]) if loaded and loaded["checkpoint"] else None
-    mine = {
-        "checkpoint": name,
-        "step": ckpt_files.step_of(name) if name else 0,
-        "model_sha256": loaded["model_sha256"] if loaded else None,
-        "error": f"{type(failure).__name__}: {failure}" if failure else None,
-    }
-    everyone = dist.all_gather_object(mine)
-    if failure is not None:
-        raise failure
-    failed = {r: o["error"] for r, o in enumerate(everyone) if o["error"]}
-    if failed:
-        raise RestoreMismatch(f"worker(s) failed to restore a checkpoint: {failed}")
-    views = [tuple(o[k] for k in ("checkpoint", "step", "model_sha256")) for o in everyone]
-    if len(set(views)) > 1:
-        detail = "; ".join(f"worker {r}: {v}" for r, v in enumerate(views))
-        raise RestoreMismatch(
-            f"the workers restored different checkpoints (checkpoint, step, weights digest): {detail}"
-        )
-
-
-BEST = "best"
-
-
-def ranked(entries: list[dict[str, Any]], mode: str, k: int | None) -> list[dict[str, Any]]:
-    """The best ``k`` (all when None) of ``entries`` ({checkpoint, step, score}), best first;
-    of equal scores the newer first. An entry without a numeric score (the metric was not
-    reported yet, or is NaN) is never among them."""
-    scored = [e for e in entries if isinstance(e["score"], int | float) and not math.isnan(e["score"])]
-    sign = -1.0 if mode == "max" else 1.0
-    scored.sort(key=lambda e: (sign * e["score"], -ckpt_files.order_key(e["checkpoint"])[0], e["checkpoint"]))
-    return scored if k is None else scored[:k]
-
-
-class KeepBest(UserCallback):
-    """Keeps the best checkpoints by ``checkpoint.score_metric`` in ``<run>/best/``.
-
-    Ray's own retention stays by recency, so the newest checkpoint and the one before it (the
-    fallback when the newest is damaged) are always there. After each checkpoint Ray registers
-    (in the Train controller), this ranks it by the metric of the same report and, when it is
-    among the best ``keep``, links (a local run) or copies (an object store, server side) it to
-    ``best/<name>``, dropping the copy that fell out. ``best/best.json`` lists them, best first.
-    With ``keep=0`` every checkpoint stays where it is and ``best.json`` ranks them in place.
-    """
-
-    def __init__(self, run_dir: str, metric: str, mode: str, keep: int):
-        self.run_dir, self.metric, self.mode, self.keep = run_dir, metric, mode, keep or None
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if checkpoint is None:
-            return
-        try:
-            self._rank(metrics[0] if metrics else {}, storage.name(checkpoint.path))
-        except Exception as err:  # the best copies are a convenience: a storage hiccup must not end the run
-            print(f"warning: could not update {storage.join(self.run_dir, BEST)}: {err}", flush=True)
-
-    def _rank(self, metrics: dict[str, Any], name: str) -> None:
-        score = metrics.get(self.metric)
-        if self.metric.startswith("eval_") and metrics.get("evaluated_step") != metrics.get("step"):
-            score = None  # the report carries an earlier step's evaluation: these weights were not evaluated
-        index = storage.join(self.run_dir, BEST, "best.json")
-        before = json.loads(storage.read_text(index) or "[]")
-        entry = {"checkpoint": name, "step": ckpt_files.step_of(name), "score": score}
-        best = ranked([e for e in before if e["checkpoint"] != name] + [entry], self.mode, self.keep)
-        if self.keep is not None:
-            kept = {e["checkpoint"] for e in best}
-            if name in kept:
-                storage.copy_tree(storage.join(self.run_dir, name), storage.join(self.run_dir, BEST, name))
-            for old in before:
-                if old["checkpoint"] not in kept:
-                    storage.delete_tree(storage.join(self.run_dir, BEST, old["checkpoint"]))
-        for e in best:
-            e["path"] = storage.join(self.run_dir, *([BEST] if self.keep else []), e["checkpoint"])
-        storage.write_text(index, json.dumps(best, indent=1) + "\n")

@@ -11,11 +11,11 @@ import json
 import os
 import signal
 
+from raytrain_loops import storage
 from raytrain_loops.config import to_dict
 from raytrain_loops.config.run import FaultSpec
 from raytrain_loops.engine import LossOutput, StepResult
 from raytrain_loops.engine.loop import Callback
-from raytrain_loops.launch import storage
 
 
 class InjectedFault(RuntimeError):

@@ -20,8 +20,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.errors import Stopped, TrainingStopped
+from raytrain_loops import storage
+from raytrain_loops.driver.errors import Stopped, TrainingStopped
 
 AGREE_S = 10.0  # how long a stopping worker waits for the others' stops
 

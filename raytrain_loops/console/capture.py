@@ -1,5 +1,5 @@
-"""The run's console on the driver: one live display of what rank 0 and the Train controller
-send, and Ray's own output moved into ``<run>/ray.log``.
+"""The run's console; runs on the driver: one live display (:mod:`raytrain_loops.console.display`)
+of what rank 0 and the Train controller send, and Ray's own output moved into ``<run>/ray.log``.
 
 Events reach the driver through a small Ray actor that the driver creates (:class:`Feed`):
 rank 0's run log and the controller's callback call it without waiting, and a thread of the
@@ -20,96 +20,21 @@ import logging
 import os
 import re
 import shutil
-import sys
 import threading
 import warnings
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any, TextIO
+from typing import Any
 
-from ray.train.v2.api.callback import UserCallback
-
-from raytrain_loops.launch import storage
-from raytrain_loops.launch.errors import root_cause
-from raytrain_loops.launch.feed import Feed, Sender
+from raytrain_loops import storage
+from raytrain_loops.console.display import Display
+from raytrain_loops.console.feed import Feed, Sender
+from raytrain_loops.driver.errors import root_cause
 
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
 DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 POLL_S = 0.3
-
-
-class Announcer(UserCallback):
-    """In the Train controller: one line for each checkpoint Ray registered and for each worker
-    failure, saying whether the run restarts."""
-
-    def __init__(self, sender: Sender, max_failures: int):
-        self.sender, self.max_failures, self.failures = sender, max_failures, 0
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if checkpoint is not None:
-            self.sender.send("checkpoint", f"checkpoint at step {metrics[0].get('step')}: {checkpoint.path}")
-
-    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        self.failures += 1
-        if self.max_failures < 0 or self.failures <= self.max_failures:
-            limit = "unlimited" if self.max_failures < 0 else str(self.max_failures)
-            then = f"restarting from the newest checkpoint (retry {self.failures} of {limit})"
-        else:
-            then = "no retries left (run.max_failures)"
-        for rank, err in sorted(worker_exceptions.items()):
-            self.sender.send("failure", f"worker {rank} failed: {root_cause(err)}; {then}")
-
-
-def _tty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-class Display:
-    """Shows events: on a terminal, a progress bar holding rank 0's progress line, redrawn in
-    place, with every other event as a line above it; elsewhere (CI, a job's log) every event as
-    a plain line, the progress line once per ``logging.every_steps``."""
-
-    def __init__(self, stream: TextIO | None = None, live: bool | None = None):
-        self.stream = stream or sys.stdout
-        self.live = _tty(self.stream) if live is None else live
-        self.bar = None
-        # The feed's thread, Ray's log thread (a forwarded warning) and the driver all show lines.
-        self._lock = threading.RLock()
-
-    def show(self, event: dict[str, Any]) -> None:
-        with self._lock:
-            if event.get("kind") == "progress" and self.live:
-                self._progress(event)
-            else:
-                self.line(event["text"])
-
-    def _progress(self, event: dict[str, Any]) -> None:
-        from tqdm import tqdm
-
-        total = int(event.get("total") or 0) or None
-        if self.bar is None:
-            self.bar = tqdm(total=total, file=self.stream, bar_format="{bar:16}| {desc}", dynamic_ncols=True)
-        self.bar.total = total
-        self.bar.n = int(event.get("step") or 0)
-        self.bar.set_description_str(event["text"], refresh=False)
-        self.bar.refresh()
-
-    def line(self, text: str) -> None:
-        with self._lock:
-            if self.bar is not None:
-                self.bar.write(text, file=self.stream)
-            else:
-                print(text, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        with self._lock:
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
 
 
 class RayLog:

@@ -12,7 +12,7 @@ import yaml
 
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
-from raytrain_loops.launch import storage
+from raytrain_loops import storage
 
 
 @dataclass

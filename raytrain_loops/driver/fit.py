@@ -1,0 +1,207 @@
+"""``fit(config)``; runs on the driver: check everything (:mod:`raytrain_loops.driver.preflight`),
+hold the run directory, start (or join) Ray (:mod:`raytrain_loops.driver.ray_start`), run a
+TorchTrainer, write the summary; an interruption names the checkpoint that resumes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_loops import storage
+from raytrain_loops.config import Config, ConfigError, load_config
+from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, warn_emulated_bf16
+from raytrain_loops.driver.ray_start import ensure_ray
+from raytrain_loops.driver.run_dir import (
+    PRECISION_FILE,
+    Finished,
+    RunLock,
+    check_config,
+    checkpoint_dirs,
+    finished,
+    record_changes,
+)
+from raytrain_loops.driver.stops import StopBoard, fit_or_stop
+from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
+from raytrain_loops.tasks import Task
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The driver was interrupted (Ctrl-C, SIGTERM) while its run trained; Ray Train stopped the
+    workers. Running the same command again resumes the run from ``checkpoint`` (None: from its
+    first step). ``signum``: the signal."""
+
+    def __init__(self, run_dir: str, checkpoint: str | None, signum: int):
+        self.run_dir, self.checkpoint, self.signum = run_dir, checkpoint, signum
+        where = f"its last checkpoint: {checkpoint}" if checkpoint else "it has no checkpoint yet"
+        super().__init__(f"the run in {run_dir} was interrupted ({signal.Signals(signum).name}); {where}")
+
+
+@contextmanager
+def _signals_seen() -> Iterator[set[int] | None]:
+    """The signals the process receives in the block, whichever Python handler runs for them:
+    Ray Train puts its own SIGINT handler in place for the time of a run (it aborts the run, and
+    the driver then ends with a ``SystemExit``), Ray's driver its own for SIGTERM. They are read
+    from the wakeup file descriptor (:func:`signal.set_wakeup_fd`), which the C-level handler
+    writes for every signal. None, and nothing changed, off the main thread or where a wakeup
+    descriptor is already set (an asyncio loop's)."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        yield None
+        return
+    seen: set[int] = set()
+    try:
+        yield seen
+    finally:
+        signal.set_wakeup_fd(-1)
+        with suppress(BlockingIOError):
+            seen.update(os.read(read, 4096))
+        os.close(read)
+        os.close(write)
+
+
+def last_checkpoint(run_dir: str) -> str | None:
+    """The run's newest checkpoint whose workers all wrote their manifests (their files are
+    verified when a run resumes from it); None when there is none."""
+    for path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            world = int(json.loads(storage.read_text(storage.join(path, "manifest.rank0.json")) or "{}")["world_size"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if all(storage.exists(storage.join(path, f"manifest.rank{rank}.json")) for rank in range(1, world)):
+            return path
+    return None
+
+
+@dataclass
+class FitResult:
+    """What a finished run left: its directory, final metrics and last checkpoint (a path)."""
+
+    run_dir: str
+    metrics: dict[str, Any]
+    checkpoint: str | None
+    wall_time: float
+
+
+def fit(config: Config | dict | str | Path, task: Task | None = None, overrides: list[str] | None = None) -> FitResult:
+    """Train ``config`` (a Config, a dict, or a YAML path with ``overrides``) on Ray Train.
+
+    ``task`` replaces ``config.task`` with your own :class:`~raytrain_loops.tasks.Task` object.
+    Raises ConfigError or DataError before Ray starts when the config or data is wrong, and
+    :class:`RunInterrupted` when a Ctrl-C or a SIGTERM stops the run (the same call resumes it).
+    """
+    if not isinstance(config, Config):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = load_config(config.to_dict(), overrides)
+    tracking = open_tracking(config.logging.mlflow)  # an unusable tracking URI fails before any work
+    task, splits, rows = prepare(config, task)
+    name = run_name(config, task)
+    run_dir = storage.join(config.run.storage_path, name)
+    try:
+        storage.make_dirs(run_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError("run.storage_path", f"cannot create the run directory {run_dir}: {err}") from None
+    print(f"run directory: {run_dir}", flush=True)
+    with RunLock(run_dir):
+        changes = check_config(run_dir, config)
+        done = finished(run_dir, planned_steps(config, splits, rows))
+        if done is not None:
+            return _finished_result(run_dir, done)
+        storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+        record_changes(run_dir, changes, config.run.allow_config_change)
+        with _signals_seen() as seen:
+            try:
+                return _train(config, task, splits, rows, name, run_dir, tracking)
+            except (KeyboardInterrupt, SystemExit) as err:
+                stop = err
+        if seen is not None and not seen & {signal.SIGINT, signal.SIGTERM}:
+            raise stop  # no signal's: not an interruption
+        signum = signal.SIGTERM if seen and signal.SIGTERM in seen else signal.SIGINT
+        raise RunInterrupted(run_dir, last_checkpoint(run_dir), signum) from None
+
+
+def _precision(run_dir: str) -> str | None:
+    """The dtype the run trained in, as its workers recorded it."""
+    text = storage.read_text(storage.join(run_dir, PRECISION_FILE))
+    return json.loads(text).get("dtype") if text else None
+
+
+def _finished_result(run_dir: str, done: Finished) -> FitResult:
+    """What a rerun of a finished run returns: its summary, unchanged, and nothing trained."""
+    metrics = done.summary.get("metrics", {})
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, int | float))
+    print(f"the run already finished at step {metrics.get('step')}: {shown}", flush=True)
+    wall = float(done.summary.get("wall_time_s", 0.0))
+    return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
+
+
+def _train(
+    config: Config,
+    task: Task,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    name: str,
+    run_dir: str,
+    tracking: Tracking | None = None,
+) -> FitResult:
+    from raytrain_loops.console.capture import Console
+    from raytrain_loops.controller.announcer import Announcer
+
+    start = time.time()
+    warned = warn_emulated_bf16(config)
+    with Console(run_dir, config.logging.verbose) as console, tracked(tracking, run_dir, name, config) as mlflow_run:
+        ensure_ray(config)
+        from raytrain_loops.driver.trainer import build_trainer
+
+        sender = console.start()
+        board = StopBoard.new(run_dir, config.scaling.num_workers)
+        announcer = Announcer(sender, config.run.max_failures)
+        trainer = build_trainer(
+            config,
+            task,
+            splits,
+            rows,
+            name,
+            run_dir,
+            callbacks=[announcer],
+            board=board,
+            console=sender,
+            tracking=mlflow_run,
+            precision_warned=warned,
+        )
+        result = fit_or_stop(trainer, board)
+        wall = time.time() - start
+        metrics = dict(result.metrics or {})
+        checkpoint = result.checkpoint.path if result.checkpoint else None
+        summary = {
+            "run_dir": run_dir,
+            "wall_time_s": round(wall, 2),
+            "checkpoint": checkpoint,
+            "precision": _precision(run_dir),
+            "metrics": metrics,
+        }
+        storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
+        if not storage.is_uri(run_dir):
+            from raytrain_loops.driver.plots import plot_run
+
+            plot_run(run_dir)
+    return FitResult(run_dir, metrics, checkpoint, wall)

@@ -1,0 +1,187 @@
+"""The driver's checks before Ray starts; runs on the driver. The task built and prepared, its
+splits and every Parquet file and column checked, a train split's batch sampler built and read as
+rank 0's, the run's length planned, the run's name, and the warning for a bf16 this CPU emulates:
+what fails here fails in seconds, naming the key, file or column, before anything is started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from raytrain_loops import storage
+from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.engine.length import batches_per_epoch, total_steps
+from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
+
+
+class DataError(ValueError):
+    """A data file, directory or column a task needs is missing."""
+
+
+
+def run_name(config: Config, task: Task) -> str:
+    """The run's name: ``run.name``, or the task's class name and a hash of everything that
+    shapes the result, so the same command maps to the same run directory. The run's length is
+    part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
+    same directory, continued)."""
+    if config.run.name:
+        return config.run.name
+    data = config.to_dict()
+    ignored = ("storage_path", "progress", "allow_config_change")
+    data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
+    # How the run is shown and where it is tracked are not what it is.
+    data["logging"] = {k: v for k, v in data["logging"].items() if k not in ("verbose", "mlflow")}
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+    base = type(task).__name__.removesuffix("Task").lower() or "task"
+    return f"{base}-{digest}"
+
+
+
+def check_parquet(split_name: str, split: ParquetSplit) -> int:
+    """Check that the Parquet data exists and has the task's columns; return its row count."""
+    import pyarrow.dataset as pads
+
+    path = split.path if storage.is_uri(split.path) else os.path.abspath(os.path.expanduser(split.path))
+    split.path = path  # workers run in another directory
+    if not storage.is_uri(path) and not os.path.exists(path):
+        raise DataError(f"split '{split_name}': no such Parquet file or directory: {path}")
+    try:
+        ds = pads.dataset(path, format="parquet")
+    except Exception as err:
+        raise DataError(f"split '{split_name}': cannot read Parquet at {path}: {err}") from None
+    if not ds.files:
+        raise DataError(f"split '{split_name}': no Parquet files under {path}")
+    names = set(ds.schema.names)
+    missing = [c for c in split.columns if c not in names]
+    if missing:
+        raise DataError(
+            f"split '{split_name}': column '{missing[0]}' not found in {ds.files[0]} (columns there: {', '.join(sorted(names))})"
+        )
+    return ds.count_rows()
+
+
+
+def check_blocks(config: Config, task: Task) -> None:
+    """``compile`` and ``checkpointing`` act on the task's blocks: a task that names none is
+    refused here, naming the key, rather than on every worker. The model is built on the meta
+    device (no memory, no initialisation); a model that cannot be is left to the workers' check."""
+    wanted = "compile.enabled" if config.compile.enabled else "checkpointing" if config.checkpointing != "none" else ""
+    if not wanted:
+        return
+    import torch
+
+    try:
+        with torch.device("meta"):
+            blocks = task.blocks(task.build_model())
+    except Exception:  # a model built from data or files: the workers check it
+        return
+    if not blocks:
+        raise ConfigError(
+            wanted,
+            f"acts on the task's blocks, and task {config.task.name!r} names none: override Task.blocks(model) "
+            "to return the model's repeated parts (Transformer blocks)",
+        )
+
+
+
+def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
+    """Build the task and check its data on the driver, before any Ray work starts."""
+    task = task or build_task(config.task.name, config.task.params)
+    check_blocks(config, task)
+    data_dir = Path(config.data.dir).expanduser().resolve()  # workers run in another directory
+    task.prepare(data_dir)
+    splits = task.splits(data_dir)
+    if "train" not in splits:
+        raise DataError(f"task {config.task.name!r} has no 'train' split (it has: {', '.join(splits) or 'none'})")
+    rows = {}
+    for name, split in splits.items():
+        if isinstance(split, ParquetSplit):
+            rows[name] = check_parquet(name, split)
+        elif isinstance(split, MapSplit):
+            rows[name] = len(split.dataset)
+        else:
+            raise DataError(f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
+        if rows[name] == 0:
+            raise DataError(f"split '{name}' holds no rows")
+        if name != "train" and getattr(split, "batch_sampler", None) is not None:
+            raise DataError(f"task {config.task.name!r}, split '{name}': only the train split takes a batch_sampler")
+    if getattr(splits["train"], "batch_sampler", None) is not None:
+        check_batch_sampler(config, splits["train"], rows["train"])
+    elif rows["train"] // config.scaling.num_workers < config.data.batch_size:
+        raise ConfigError(
+            "data.batch_size",
+            f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.num_workers} training rows per worker",
+        )
+    planned_steps(config, splits, rows)  # an epoch too short for one update fails here, not on the workers
+    return task, splits, rows
+
+
+
+def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:
+    """Rank 0's batch sampler of the train split with all ``scaling.num_workers`` workers, and its
+    ``len`` (the same on every rank, by the sampler's contract). Raises :class:`DataError` naming
+    the task and split when the task's sampler fails or gives no batch."""
+    where = f"task {config.task.name!r}, split 'train'"
+    try:
+        sampler = split.batch_sampler(config.data.batch_size, 0, config.scaling.num_workers, config.loop.seed)
+        batches = len(sampler)
+    except Exception as err:  # the task's own code: say whose sampler failed
+        raise DataError(f"{where}: batch_sampler: {err}") from err
+    if batches < 1:
+        raise DataError(
+            f"{where}: the batch sampler gives no batch per worker with data.batch_size={config.data.batch_size} "
+            f"and {config.scaling.num_workers} workers"
+        )
+    return sampler, batches
+
+
+
+def check_batch_sampler(config: Config, split: MapSplit, rows: int) -> None:
+    """Build the train split's batch sampler as rank 0 does and read its first epoch, so a
+    sampler that fails or names rows the dataset lacks stops the run before Ray starts."""
+    sampler, _ = _rank0_sampler(config, split)
+    sampler.set_epoch(0)
+    outside = [i for batch in sampler for i in batch if not 0 <= i < rows]
+    if outside:
+        raise DataError(
+            f"task {config.task.name!r}, split 'train': the batch sampler names row {outside[0]}, "
+            f"but the dataset holds {rows} rows"
+        )
+
+
+
+def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) -> int:
+    """The run's length in optimizer steps with all ``scaling.num_workers`` workers, as the loop
+    will count it on every worker."""
+    train = splits["train"]
+    if getattr(train, "batch_sampler", None) is not None:
+        per_worker = _rank0_sampler(config, train)[1]
+    else:
+        per_worker = batches_per_epoch(
+            rows["train"], config.scaling.num_workers, config.data.batch_size, padded=isinstance(train, MapSplit)
+        )
+    return total_steps(config.loop, config.accum, per_worker)
+
+
+
+def warn_emulated_bf16(config: Config) -> bool:
+    """Before a local Ray starts (its workers run on this CPU), warn once of an explicit
+    ``precision.dtype=bf16`` that this CPU emulates; whether it warned. Joined to a cluster, the
+    workers' rank 0 warns instead: this machine's CPU is not theirs."""
+    if config.precision.dtype != "bf16" or config.scaling.use_gpu or os.environ.get("RAY_ADDRESS"):
+        return False
+    import sys
+
+    import torch
+
+    from raytrain_loops.engine import precision
+
+    hw = precision.hardware(torch.device("cpu"))
+    if hw.native_bf16:
+        return False
+    print(precision.emulated_warning(hw), file=sys.stderr, flush=True)
+    return True
