@@ -46,44 +46,47 @@ def _error(message: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    if getattr(args, "verbose", False):
-        args.overrides = [*args.overrides, "logging.verbose=true"]
+def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
+    from raytrain_loops import recipes
+
+    for name, path in sorted(recipes.builtin().items()):
+        print(f"{name:<16} {recipes.describe(path)}")
+    return 0
+
+
+def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    from raytrain_loops.engine.checkpoint import CheckpointError, export
+
+    try:
+        written = export(args.checkpoint, args.out)
+    except (CheckpointError, FileNotFoundError) as err:
+        return _error(f"cannot export {args.checkpoint}: {err}")
+    step = written["counters"].get("step", "?")
+    print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")
+    return 0
+
+
+def _submit(args: argparse.Namespace, argv: list[str]) -> int:
+    import os
+
+    from raytrain_loops.config import ConfigError
+    from raytrain_loops.jobs.submit import submit
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
+    try:
+        return submit(args.recipe, args.overrides, address, args.working_dir, args.pip, wait=not args.no_wait)
+    except ConfigError as err:
+        return _error(str(err))
+    except (RuntimeError, ConnectionError) as err:  # refused, unreachable, unauthenticated
+        print(f"raytrain-loops: submission to {address} failed: {err}", file=sys.stderr)
+        return 1
+
+
+def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
+    """``train`` and ``tune``: a bad config or data is exit code 2, an interruption names the
+    command that resumes the run (128 + the signal), a failed run prints the worker's traceback."""
     from raytrain_loops import recipes
     from raytrain_loops.config import ConfigError, load_config
-
-    if args.command == "recipes":
-        for name, path in sorted(recipes.builtin().items()):
-            print(f"{name:<16} {recipes.describe(path)}")
-        return 0
-
-    if args.command == "export":
-        from raytrain_loops.engine.checkpoint import CheckpointError, export
-
-        try:
-            written = export(args.checkpoint, args.out)
-        except (CheckpointError, FileNotFoundError) as err:
-            return _error(f"cannot export {args.checkpoint}: {err}")
-        step = written["counters"].get("step", "?")
-        print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")
-        return 0
-
-    if args.command == "submit":
-        import os
-
-        from raytrain_loops.jobs.submit import submit
-
-        address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
-        try:
-            return submit(args.recipe, args.overrides, address, args.working_dir, args.pip, wait=not args.no_wait)
-        except ConfigError as err:
-            return _error(str(err))
-        except (RuntimeError, ConnectionError) as err:  # refused, unreachable, unauthenticated
-            print(f"raytrain-loops: submission to {address} failed: {err}", file=sys.stderr)
-            return 1
-
     from raytrain_loops.driver.fit import RunInterrupted
     from raytrain_loops.driver.preflight import DataError
 
@@ -108,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytrain-loops: {args.command} interrupted; the same command runs it again: {again}", file=sys.stderr)
         return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
-        from raytrain_loops.driver.errors import root_cause, worker_traceback
-
-        trace = worker_traceback(err)
-        if trace:
-            print(trace.rstrip(), file=sys.stderr)
-        print(f"raytrain-loops: {args.command} failed: {root_cause(err)}", file=sys.stderr)
-        return 1
+        return _failed(args.command, err)
     if args.command == "tune":
         print(f"sweep directory: {swept.sweep_dir}")
         return 0
@@ -122,6 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"finished in {result.wall_time:.1f}s: {shown}")
     print(f"run directory: {result.run_dir}")
     return 0
+
+
+def _failed(command: str, err: Exception) -> int:
+    from raytrain_loops.driver.errors import root_cause, worker_traceback
+
+    trace = worker_traceback(err)
+    if trace:
+        print(trace.rstrip(), file=sys.stderr)
+    print(f"raytrain-loops: {command} failed: {root_cause(err)}", file=sys.stderr)
+    return 1
+
+
+VERBS = {"recipes": _recipes, "export": _export, "submit": _submit, "train": _train_or_tune, "tune": _train_or_tune}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        args.overrides = [*args.overrides, "logging.verbose=true"]
+    return VERBS[args.command](args, argv)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,44 @@
-"""The engine, config and the Ray-free data paths import no Ray (docs/architecture.md: the engine is Ray-free and unit-testable)."""
+"""The house's rules (docs/architecture.md): the engine, the loop callbacks, the console's display,
+config, data and storage import no Ray; no module over 450 lines and no function over 60."""
 
+import ast
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
+
+import raytrain_loops
+
+RAY_FREE = [
+    "raytrain_loops.engine",
+    "raytrain_loops.config",
+    "raytrain_loops.data",
+    "raytrain_loops.storage",
+    "raytrain_loops.console.display",
+    "raytrain_loops.console.feed",
+    *(f"raytrain_loops.callbacks.{m.name}" for m in pkgutil.iter_modules([str(Path(raytrain_loops.__file__).parent / "callbacks")])),
+]
 
 
-def test_engine_config_and_data_do_not_import_ray():
-    code = "import sys, raytrain_loops.engine, raytrain_loops.config, raytrain_loops.data; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+def test_the_engine_callbacks_display_config_data_and_storage_do_not_import_ray():
+    assert len(RAY_FREE) >= 12  # every callback module is in the list
+    code = f"import sys; import {', '.join(RAY_FREE)}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_module_over_450_lines_and_no_function_over_60():
+    package = Path(raytrain_loops.__file__).parent
+    long_modules, long_functions = [], []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(package.parent))
+        if len(text.splitlines()) > 450:
+            long_modules.append((name, len(text.splitlines())))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60:
+                long_functions.append((name, node.name, node.end_lineno - node.lineno + 1))
+    assert long_modules == [] and long_functions == []
 
 
 def _imported(code: str, prefixes: tuple[str, ...]) -> list[str]:
