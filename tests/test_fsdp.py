@@ -455,7 +455,7 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
 
 
 def _lm_model():
-    from raytrain_loops.tasks.lm import GPT
+    from raytrain_loops.tasks.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(dim=32, layers=2, heads=2)

@@ -37,6 +37,7 @@ from raytrain_loops.config import ConfigError
 from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
+from raytrain_loops.tasks.gpt import GPT
 
 COLUMNS = ["tokens", "lengths"]
 BOS = 256  # the input before a sequence's first byte; targets are bytes 0-255 only
@@ -214,81 +215,6 @@ def _previous_and_token(data: np.ndarray, lengths: np.ndarray) -> tuple[torch.Te
     previous = torch.cat([torch.tensor([-1]), token[:-1]])
     previous[torch.from_numpy(np.cumsum(lengths) - lengths)] = -1
     return previous, token
-
-
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` (batch, heads, time, head_dim): a position-dependent
-    rotation of each pair of channels, so attention scores depend on relative offsets."""
-    t, d = x.shape[-2], x.shape[-1]
-    freqs = 10_000.0 ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = rotary(q), rotary(k)
-        # Padding sits after each sequence's bytes, so the causal mask alone keeps it out of view.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Block(nn.Module):
-    """Pre-norm Transformer block: attention, then a 4x GELU MLP, each a residual branch."""
-
-    def __init__(self, dim: int, heads: int, dropout: float):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads, dropout)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.mlp(self.norm2(x)))
-
-
-class GPT(nn.Module):
-    """A small GPT: token embeddings, ``layers`` blocks with rotary positions, a head over the
-    vocabulary.
-
-    ``vocab=None``: bytes, a 257-row embedding (256 bytes and BOS) and a 256-way head with a
-    bias. ``vocab=V``: a ``V``-row embedding (BOS among the rows) whose matrix is also the head's
-    (tied, no bias, as GPT-2): ``head.weight`` is ``embed.weight``, one parameter.
-    """
-
-    def __init__(self, dim: int, layers: int, heads: int, dropout: float = 0.0, vocab: int | None = None):
-        super().__init__()
-        self.embed = nn.Embedding(257 if vocab is None else vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 256) if vocab is None else nn.Linear(dim, vocab, bias=False)
-        if vocab is not None:
-            self.head.weight = self.embed.weight
-        for name, p in self.named_parameters():  # a tied matrix once, under its first name (embed)
-            if p.dim() > 1:
-                # GPT-2: residual output projections scaled down with depth.
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
 
 
 class LMTask(Task):
