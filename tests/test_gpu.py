@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_loops.config import load_config
 from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.engine import Decision, Engine, LossOutput
+from raytrain_loops.engine.distributed.sharding import prepare_model, shard
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
-from raytrain_loops.engine.sharding import prepare_model, shard
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import LMTask
 from tests import fakes

@@ -10,7 +10,7 @@ import torch
 
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine import dist as engine_dist
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.meters import Meters, Smoother
 from raytrain_loops.launch.runlog import RunLog
 from tests import fakes
@@ -77,7 +77,7 @@ def test_smoothing_settings_are_checked_naming_the_key():
 
 
 def _counted(calls: list[str]):
-    reduce, gather = engine_dist.all_reduce_sum, engine_dist.all_gather_object
+    reduce, gather = collectives.all_reduce_sum, collectives.all_gather_object
 
     def counted_reduce(t):
         calls.append("all_reduce")
@@ -111,12 +111,12 @@ def _epoch_sums(rank: int, world: int):
         if rank == 1:
             meters.add("loss", 0.0, 4.0)
     calls: list[str] = []
-    original = engine_dist.all_reduce_sum, engine_dist.all_gather_object
-    engine_dist.all_reduce_sum, engine_dist.all_gather_object = _counted(calls)
+    original = collectives.all_reduce_sum, collectives.all_gather_object
+    collectives.all_reduce_sum, collectives.all_gather_object = _counted(calls)
     try:
         epoch = m.end_epoch()
     finally:
-        engine_dist.all_reduce_sum, engine_dist.all_gather_object = original
+        collectives.all_reduce_sum, collectives.all_gather_object = original
     return {
         "interval": interval,
         "epoch": epoch,

@@ -205,7 +205,7 @@ def test_the_count_includes_attention_and_skips_a_compiled_forward():
 
 def _sharded(rank: int, world: int):
     """The tiny model sharded by FSDP2 over 2 workers, counted on its plain structure."""
-    from raytrain_loops.engine.sharding import shard
+    from raytrain_loops.engine.distributed.sharding import shard
     from raytrain_loops.engine.throughput import plain_copy
 
     cfg = fakes.config(

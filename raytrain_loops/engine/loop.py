@@ -25,7 +25,7 @@ import torch
 
 from raytrain_loops.config.engine import AccumConfig, SpikeConfig
 from raytrain_loops.config.run import Config
-from raytrain_loops.engine import sharding
+from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.guards import SpikeDetector
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
 
 Number = torch.Tensor | float
 
@@ -105,7 +105,7 @@ class Meters:
         names = sorted(self._known)
         flat = self._pack_and_reduce(local, names, float(not self._known.issuperset(local.sums)))
         if flat[-1] > 0:  # a name some worker has not had reduced yet: agree on the names first
-            self._known.update(*dist.all_gather_object(sorted(local.sums)))
+            self._known.update(*collectives.all_gather_object(sorted(local.sums)))
             names = sorted(self._known)
             flat = self._pack_and_reduce(local, names, 0.0)
         local.clear()
@@ -114,7 +114,7 @@ class Meters:
 
     @staticmethod
     def _pack_and_reduce(local: _Sums, names: list[str], flag: float) -> list[float]:
-        device = dist.collective_device()
+        device = collectives.collective_device()
         sums, weights = local.sums, local.weights
 
         def cell(v: Number) -> torch.Tensor:
@@ -124,7 +124,7 @@ class Meters:
 
         cells = [cell(sums.get(n, 0.0)) for n in names] + [cell(weights.get(n, 0.0)) for n in names]
         packed = torch.stack([*cells, cell(flag)])
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         return packed.tolist()
 
 

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
-from raytrain_loops.engine import dist, sharding
 from raytrain_loops.engine.decision import Decision, Reduced, decide
+from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
     GradSyncError,
@@ -254,7 +254,7 @@ class Engine:
         per_epoch = sorted(n for n, sch in config.schedules.items() if sch.per == "epoch")
         if per_epoch and total_epochs < 1:
             raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
-        self.world_size = dist.world_size()
+        self.world_size = collectives.world_size()
         self._ddp = hasattr(model, "no_sync")
         self.sharded = sharding.is_sharded(model)
         if self.world_size > 1 and not (self._ddp or self.sharded):
@@ -263,7 +263,7 @@ class Engine:
                 "DistributedDataParallel nor sharded by fully_shard"
             )
         self.device = sharding.local(next(self.module.parameters())).device
-        self._cdev = dist.collective_device()
+        self._cdev = collectives.collective_device()
         # Under FSDP each worker holds its own shard of the gradients, whose norms differ by
         # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
         self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
@@ -372,7 +372,7 @@ class Engine:
                     raise
                 if self.sharded and self.world_size > 1:
                     raise GroupBrokenError(
-                        f"out of memory in forward/backward on worker {dist.rank()} at step {self.step} under FSDP: "
+                        f"out of memory in forward/backward on worker {collectives.rank()} at step {self.step} under FSDP: "
                         "the other workers are inside the parameter all-gathers and gradient reduce-scatters of "
                         "this micro-batch, which this one cannot rejoin in order; the group restarts from the last "
                         "checkpoint. If this repeats, lower the micro-batch size"
@@ -380,7 +380,7 @@ class Engine:
                 if backward and last and self._ddp and self.world_size > 1:
                     raise GroupBrokenError(
                         f"out of memory in the backward pass of the synchronising micro-batch on worker "
-                        f"{dist.rank()} at step {self.step}: DDP's gradient all-reduce was under way and cannot "
+                        f"{collectives.rank()} at step {self.step}: DDP's gradient all-reduce was under way and cannot "
                         "be completed; the group restarts from the last checkpoint"
                     ) from err
                 # Counted, and decided by all workers alike after the all-reduce (oom.policy).
@@ -418,7 +418,7 @@ class Engine:
             for key, n in counts.items():
                 sums[key] += float(n)
         packed = torch.tensor([sums[k] for k in self._count_keys], dtype=torch.float64, device=self._cdev)
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         return dict(zip(self._count_keys, packed.tolist(), strict=True))
 
     def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
@@ -435,13 +435,13 @@ class Engine:
             # Each worker's own norm in its own slot: the sum over workers is the list of norms,
             # so the consistency check costs no extra collective.
             slots = torch.zeros(self.world_size, dtype=torch.float64, device=self._cdev)
-            slots[dist.rank()] = packed[4]
+            slots[collectives.rank()] = packed[4]
             packed = torch.cat([packed, slots])
         head = packed.numel()
         names = sorted(local.stats)
         if names:
             packed = torch.cat([packed, *(local.stats[k].to(self._cdev) for k in names)])
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         stats, at = {}, head
         for k in names:
             n = local.stats[k].numel()
@@ -507,7 +507,7 @@ class Engine:
             # The other workers wait in DDP's all-reduce for this one: only a restart of the
             # group (from the last checkpoint) ends that wait on every worker.
             raise GroupBrokenError(
-                f"out of memory on worker {dist.rank()} at step {self.step}, and its zero-weight pass to join "
+                f"out of memory on worker {collectives.rank()} at step {self.step}, and its zero-weight pass to join "
                 f"the gradient all-reduce failed too ({type(again).__name__}: {again}); the group restarts from "
                 "the last checkpoint. If this repeats, lower the micro-batch size"
             ) from err
@@ -540,7 +540,7 @@ class Engine:
             if self.sharded and self.world_size > 1:
                 # A parameter's norm spans every worker's shard: one all-reduce of the squares.
                 squares = torch.stack(norms).double().square().to(self._cdev)
-                norms = list(dist.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
+                norms = list(collectives.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
 
@@ -618,9 +618,9 @@ class Engine:
 
             module = first_nonfinite_module(self.module, rerun)
             where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-            where += f" on worker {dist.rank()}, micro-batch {bad[0]}"
+            where += f" on worker {collectives.rank()}, micro-batch {bad[0]}"
         terms = {k: float(v) for k, v in local.term_sums.items()}
-        reports = dist.all_gather_object((where, terms, len(local.losses)))
+        reports = collectives.all_gather_object((where, terms, len(local.losses)))
         first = next((r for r, _, _ in reports if r), None)
         if first is None:
             param = self._first_nonfinite_grad()
@@ -639,7 +639,7 @@ class Engine:
         """Under FSDP a forward gathers parameters from every worker, so all of them rerun the
         same micro-batch index (the first worker's first bad one; their own batch, or the zero
         weight one) and the workers whose loss there was non-finite name the module."""
-        firsts = dist.all_gather_object(bad[0] if bad else None)
+        firsts = collectives.all_gather_object(bad[0] if bad else None)
         index = next((i for i in firsts if i is not None), None)
         if index is None:
             return None
@@ -655,7 +655,7 @@ class Engine:
         if index not in bad:
             return None
         where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-        return where + f" on worker {dist.rank()}, micro-batch {index}"
+        return where + f" on worker {collectives.rank()}, micro-batch {index}"
 
     def _first_nonfinite_grad(self) -> str | None:
         """The first parameter (in the model's order) with a non-finite gradient; under FSDP the
@@ -663,7 +663,7 @@ class Engine:
         if not (self.sharded and self.world_size > 1):
             return first_nonfinite_grad(self.module)
         names = [n for n, _ in self.module.named_parameters()]
-        found = [n for n in dist.all_gather_object(first_nonfinite_grad(self.module)) if n is not None]
+        found = [n for n in collectives.all_gather_object(first_nonfinite_grad(self.module)) if n is not None]
         return min(found, key=names.index) if found else None
 
     def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config.engine import ThroughputConfig
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.precision import autocast
@@ -162,7 +162,7 @@ class Throughput(Callback):
         self.enabled = cfg.enabled
         self.engine, self.criterion, self.counts, self.plain = engine, criterion, counts, plain
         self.device = engine.device
-        self.rank = dist.rank()
+        self.rank = collectives.rank()
         self.gpu = self.device.type == "cuda"
         self.peak = peak_tflops(cfg.peak_tflops, self.device) if self.enabled else None
         self.flops_unit, self.flops_scale = ("tflops_per_s", 1e12) if self.gpu else ("gflops_per_s", 1e9)

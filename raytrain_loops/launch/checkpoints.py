@@ -12,8 +12,9 @@ import ray
 import ray.train
 from ray.train.v2.api.callback import UserCallback
 
-from raytrain_loops.engine import Engine, dist
+from raytrain_loops.engine import Engine
 from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.launch import storage
 from raytrain_loops.launch.rundir import checkpoint_dirs
@@ -194,7 +195,7 @@ def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | Non
         "model_sha256": loaded["model_sha256"] if loaded else None,
         "error": f"{type(failure).__name__}: {failure}" if failure else None,
     }
-    everyone = dist.all_gather_object(mine)
+    everyone = collectives.all_gather_object(mine)
     if failure is not None:
         raise failure
     failed = {r: o["error"] for r, o in enumerate(everyone) if o["error"]}
