@@ -25,12 +25,14 @@ import torch
 
 from raytrain_loops.config.engine import AccumConfig, SpikeConfig
 from raytrain_loops.config.run import Config
+from raytrain_loops.engine.api import StepResult
+from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.guards import SpikeDetector
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.precision import autocast
-from raytrain_loops.engine.step import Engine, StepResult, to_device
+from raytrain_loops.engine.step import Engine
 
 __all__ = [
     "BatchSource",
