@@ -22,10 +22,7 @@ Per step, on every worker (docs/architecture.md places it among the layers):
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,20 +32,13 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
+from raytrain_loops.engine import skips
 from raytrain_loops.engine.api import LossFn, StepContext, StepResult
 from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.devices import to_device, unwrap
-from raytrain_loops.engine.distributed import collectives, sharding
+from raytrain_loops.engine.distributed import collectives, sharding, step_sync
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
-    GradSyncError,
-    GroupBrokenError,
-    LossScaleError,
-    NonFiniteError,
-    OOMError,
-    TrainingError,
-    first_nonfinite_grad,
-    first_nonfinite_module,
     is_oom,
 )
 from raytrain_loops.engine.meters import Meters
@@ -61,7 +51,7 @@ __all__ = ["Engine"]
 
 
 @dataclass
-class _Local:
+class LocalSums:
     """This worker's sums over its micro-batches, before the reduction."""
 
     sample_size: torch.Tensor | float = 0.0
@@ -124,13 +114,7 @@ class Engine:
         if per_epoch and total_epochs < 1:
             raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
         self.world_size = collectives.world_size()
-        self._ddp = hasattr(model, "no_sync")
-        self.sharded = sharding.is_sharded(model)
-        if self.world_size > 1 and not (self._ddp or self.sharded):
-            raise ValueError(
-                f"{self.world_size} workers are running but the model is neither wrapped in "
-                "DistributedDataParallel nor sharded by fully_shard"
-            )
+        self.ddp, self.sharded = step_sync.wrapping(model, self.world_size)
         self.device = sharding.local(next(self.module.parameters())).device
         self._cdev = collectives.collective_device()
         # Under FSDP each worker holds its own shard of the gradients, whose norms differ by
@@ -156,12 +140,12 @@ class Engine:
         self._after_step = after_step
         self.meters = Meters(epochs=True)
         self._meters_flushed_at: int | None = None  # the step of the epoch sums' last reduction
-        self._dummy: Any = None
+        self.dummy_batch: Any = None  # a batch to join the collectives with at zero weight
         # Counters: all part of the saved state.
         self.step = 0
         self.epoch = 0
         self.counts = {"overflow": 0, "nonfinite": 0, "oom": 0, "micro_batches": 0}
-        self._in_a_row = {"nonfinite": 0, "oom": 0}
+        self.in_a_row = {"nonfinite": 0, "oom": 0}
         # The loop's callbacks' state by callback name, saved and restored with the engine's:
         # the loop sets it before each checkpoint and hands it back when a run resumes.
         self.callback_state: dict[str, Any] = {}
@@ -201,7 +185,7 @@ class Engine:
             compute = time.perf_counter() - start
             self._log_step(local.logs, reduced, values["lr"], compute, data_time)
         else:
-            self._skip(decision, micro_batches, local, ctx)
+            skips.skip(self, decision, micro_batches, local, ctx)
             compute = time.perf_counter() - start
         return StepResult(
             decision,
@@ -214,24 +198,24 @@ class Engine:
             local_sample_size=local.sample_size,
         )
 
-    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> _Local:
+    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> LocalSums:
         """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
         k = len(micro_batches)
-        local = _Local()
+        local = LocalSums()
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
             last = i == k - 1
             if batch is None:
-                self._join_with_dummy(ctx, last, local)
+                step_sync.join_with_dummy(self, ctx, last, local)
                 continue
             batch = to_device(batch, self.device)
-            if self._dummy is None:
+            if self.dummy_batch is None:
                 # Kept before the forward: a worker whose very first micro-batch fails (OOM on
                 # the first step after a restart) still has a batch to join the all-reduce with.
-                self._dummy = batch
+                self.dummy_batch = batch
             backward = False
             try:
-                with self._sync(last):
+                with step_sync.sync(self, last):
                     with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
                     backward = True
@@ -239,22 +223,7 @@ class Engine:
             except Exception as err:
                 if not is_oom(err):
                     raise
-                if self.sharded and self.world_size > 1:
-                    raise GroupBrokenError(
-                        f"out of memory in forward/backward on worker {collectives.rank()} at step {self.step} under FSDP: "
-                        "the other workers are inside the parameter all-gathers and gradient reduce-scatters of "
-                        "this micro-batch, which this one cannot rejoin in order; the group restarts from the last "
-                        "checkpoint. If this repeats, lower the micro-batch size"
-                    ) from err
-                if backward and last and self._ddp and self.world_size > 1:
-                    raise GroupBrokenError(
-                        f"out of memory in the backward pass of the synchronising micro-batch on worker "
-                        f"{collectives.rank()} at step {self.step}: DDP's gradient all-reduce was under way and cannot "
-                        "be completed; the group restarts from the last checkpoint"
-                    ) from err
-                # Counted, and decided by all workers alike after the all-reduce (oom.policy).
-                local.ooms += 1
-                self._recover_from_oom(ctx, last, err, local)
+                step_sync.recover_from_oom(self, ctx, err, local, backward=backward, last=last)
                 continue
             loss = out.loss.detach().float()
             local.losses.append((i, loss))
@@ -290,7 +259,7 @@ class Engine:
         collectives.all_reduce_sum(packed)
         return dict(zip(self._count_keys, packed.tolist(), strict=True))
 
-    def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
+    def _reduce(self, local: LocalSums, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
         """The step's one all-reduce and its one host read; the criterion's ``stats`` ride along
         (summed over micro-batches and workers)."""
         norm_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else 0.0
@@ -322,7 +291,7 @@ class Engine:
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
         if self._check_sync:
-            self._check_grad_sync(list(reduced.norms))
+            step_sync.check_grad_sync(list(reduced.norms), self.config.grad_sync.rtol, self.step)
         self._clip_and_normalise(grads, reduced.grad_factor, reduced.grad_norm)
         if self.epoch < self.config.freeze.last_layer_epochs:
             for p in self._frozen:
@@ -331,72 +300,11 @@ class Engine:
         if self.scaler.is_enabled():
             self.scaler.update()
         self.step += 1
-        self._in_a_row = {"nonfinite": 0, "oom": 0}
+        self.in_a_row = {"nonfinite": 0, "oom": 0}
         if self.ema is not None and self.step % self.config.ema.every == 0:
             self.ema.update(ema_momentum)
 
     # ------------------------------------------------------------------ pieces of the step
-
-    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
-        if self.sharded:
-            # FSDP2's counterpart of no_sync: gradients stay unsharded and accumulate until the
-            # last micro-batch's backward reduce-scatters their sum.
-            self.model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        if self._ddp and not last:
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def _join_with_dummy(self, ctx: StepContext, last: bool, local: _Local | None = None) -> None:
-        """Run a zero-weight forward/backward so DDP's all-reduce on the last micro-batch still
-        gets this worker's (zero) contribution; off the last micro-batch nothing is needed. Under
-        FSDP every micro-batch needs it: each forward gathers the parameters from all workers."""
-        if self.world_size == 1 or not (self.sharded or (last and self._ddp)):
-            return
-        if self._dummy is None:
-            raise TrainingError(
-                "a worker has no batch to join the gradient all-reduce with: its first micro-batch "
-                "failed or it had no data at all; check data.batch_size against the rows per worker"
-            )
-        with self._sync(last), autocast(self.config.precision, self.device):
-            out = self.loss_fn(self.model, self._dummy, ctx)
-        (out.loss * 0.0).backward()
-        if local is not None:
-            # Zero-weight stats give the step's all-reduce the same layout on every worker.
-            local.add_stats(out.stats, 0.0)
-
-    def _recover_from_oom(self, ctx: StepContext, last: bool, err: BaseException, local: _Local) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            self._join_with_dummy(ctx, last, local)
-        except Exception as again:
-            # The other workers wait in DDP's all-reduce for this one: only a restart of the
-            # group (from the last checkpoint) ends that wait on every worker.
-            raise GroupBrokenError(
-                f"out of memory on worker {collectives.rank()} at step {self.step}, and its zero-weight pass to join "
-                f"the gradient all-reduce failed too ({type(again).__name__}: {again}); the group restarts from "
-                "the last checkpoint. If this repeats, lower the micro-batch size"
-            ) from err
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _check_grad_sync(self, norms: list[float]) -> None:
-        """Raise on every worker when DDP left different gradients on different workers (fairseq's
-        ``_check_grad_norms``). The norms came through the all-reduce, so every worker decides alike."""
-        rtol = self.config.grad_sync.rtol
-        reference = statistics.median(norms)  # with three or more workers, the odd ones out
-        off = [r for r, n in enumerate(norms) if abs(n - reference) > rtol * max(norms)]
-        if off:
-            detail = ", ".join(f"worker {r}: {n:.10g}" for r, n in enumerate(norms))
-            raise GradSyncError(
-                f"gradients differ between workers after DDP synchronisation at step {self.step}: "
-                f"gradient norms {detail}; worker(s) {', '.join(map(str, off))} differ by more than "
-                f"grad_sync.rtol={rtol:g}. Parameters that DDP does not synchronise, or a custom comm hook "
-                "or wrapper that skips the all-reduce, let the workers drift apart; set grad_sync.check=false "
-                "only if that is intended"
-            )
 
     def _clip_and_normalise(self, grads: list[torch.Tensor], factor: float, grad_norm: float) -> None:
         clip = self.config.clip
@@ -412,128 +320,6 @@ class Engine:
                 norms = list(collectives.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
-
-    def _skip(self, decision: Decision, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> None:
-        """Drop the update on every worker, count it, and raise when a limit or policy says stop.
-        Every skip closes the loss scaler's step (``unscale_`` ran), so the next step can run."""
-        if decision is Decision.SKIP_EMPTY:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler.is_enabled():
-                self.scaler.update(self.scaler.get_scale())  # no data is no overflow: the scale stays
-            return
-        if decision is Decision.SKIP_OVERFLOW:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._overflow()
-            return
-        reason = decision.value
-        self.counts[reason] += 1
-        self._in_a_row[reason] += 1
-        # The error is worked out while the gradients are still there: the detector may name one.
-        error = self._oom_error() if decision is Decision.SKIP_OOM else self._nonfinite_error(micro_batches, local, ctx)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler.is_enabled():
-            self.scaler.update()
-        if error is not None:
-            raise error
-
-    def _overflow(self) -> None:
-        self.counts["overflow"] += 1
-        self.scaler.update()
-        scale = self.scaler.get_scale()
-        if scale < self.config.precision.min_scale:
-            raise LossScaleError(
-                f"fp16 loss scale fell to {scale:g}, below precision.min_scale={self.config.precision.min_scale:g}: "
-                "the loss or gradients are non-finite even at a tiny scale; try precision.dtype=bf16 or a lower lr"
-            )
-
-    def _oom_error(self) -> OOMError | None:
-        if self.config.oom.policy == "raise":
-            return OOMError(
-                f"out of memory in forward/backward at step {self.step} (oom.policy=raise); lower the "
-                "micro-batch size or set oom.policy=skip"
-            )
-        if self._in_a_row["oom"] < self.config.oom.max_consecutive:
-            return None
-        return OOMError(
-            f"out of memory on {self._in_a_row['oom']} updates in a row (oom.max_consecutive="
-            f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
-        )
-
-    def _nonfinite_error(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> NonFiniteError | None:
-        cfg = self.config.nonfinite
-        if cfg.policy == "stop":
-            return NonFiniteError(self._describe_nonfinite(micro_batches, local, ctx))
-        if self._in_a_row["nonfinite"] < cfg.max_consecutive:
-            return None
-        return NonFiniteError(
-            f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
-            f"(nonfinite.max_consecutive={cfg.max_consecutive}); " + self._describe_nonfinite(micro_batches, local, ctx)
-        )
-
-    def _describe_nonfinite(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> str:
-        """Name the first module whose output was non-finite, agreed by all workers, and the loss
-        terms' means over all workers' micro-batches (one collective)."""
-        where = None
-        bad = [i for i, loss in local.losses if not bool(torch.isfinite(loss))]
-        if self.sharded and self.world_size > 1:
-            where = self._nonfinite_module_sharded(bad, micro_batches, ctx)
-        elif bad:
-            batch = to_device(micro_batches[bad[0]], self.device)
-            ctx.micro_index = bad[0]
-
-            def rerun():
-                with autocast(self.config.precision, self.device):
-                    return self.loss_fn(self.module, batch, ctx).loss
-
-            module = first_nonfinite_module(self.module, rerun)
-            where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-            where += f" on worker {collectives.rank()}, micro-batch {bad[0]}"
-        terms = {k: float(v) for k, v in local.term_sums.items()}
-        reports = collectives.all_gather_object((where, terms, len(local.losses)))
-        first = next((r for r, _, _ in reports if r), None)
-        if first is None:
-            param = self._first_nonfinite_grad()
-            first = f"the gradient of parameter '{param}'" if param else "an unknown place"
-        message = f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
-        n = sum(count for _, _, count in reports)
-        names = sorted({k for _, t, _ in reports for k in t})
-        if names and n:
-            means = {k: sum(t.get(k, 0.0) for _, t, _ in reports) / n for k in names}
-            message += "; loss terms over all workers (unscaled means): " + ", ".join(
-                f"{k}={v:.6g}" for k, v in means.items()
-            )
-        return message
-
-    def _nonfinite_module_sharded(self, bad: list[int], micro_batches: Sequence[Any], ctx: StepContext) -> str | None:
-        """Under FSDP a forward gathers parameters from every worker, so all of them rerun the
-        same micro-batch index (the first worker's first bad one; their own batch, or the zero
-        weight one) and the workers whose loss there was non-finite name the module."""
-        firsts = collectives.all_gather_object(bad[0] if bad else None)
-        index = next((i for i in firsts if i is not None), None)
-        if index is None:
-            return None
-        batch = micro_batches[index] if micro_batches[index] is not None else self._dummy
-        batch = to_device(batch, self.device)
-        ctx.micro_index = index
-
-        def rerun():
-            with autocast(self.config.precision, self.device):
-                return self.loss_fn(self.module, batch, ctx).loss
-
-        module = first_nonfinite_module(self.module, rerun)
-        if index not in bad:
-            return None
-        where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-        return where + f" on worker {collectives.rank()}, micro-batch {index}"
-
-    def _first_nonfinite_grad(self) -> str | None:
-        """The first parameter (in the model's order) with a non-finite gradient; under FSDP the
-        first over all workers' shards."""
-        if not (self.sharded and self.world_size > 1):
-            return first_nonfinite_grad(self.module)
-        names = [n for n, _ in self.module.named_parameters()]
-        found = [n for n in collectives.all_gather_object(first_nonfinite_grad(self.module)) if n is not None]
-        return min(found, key=names.index) if found else None
 
     def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
         m = self.meters
@@ -599,7 +385,7 @@ class Engine:
                 "step": self.step,
                 "epoch": self.epoch,
                 **{f"count_{k}": v for k, v in self.counts.items()},
-                **{f"in_a_row_{k}": v for k, v in self._in_a_row.items()},
+                **{f"in_a_row_{k}": v for k, v in self.in_a_row.items()},
             },
             "callbacks": dict(self.callback_state),
             "meters": self.meters.state_dict(),
@@ -648,7 +434,7 @@ class Engine:
         self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
         # Checkpoints written before these were saved resume with no skips in a row and no
         # callback state.
-        self._in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self._in_a_row}
+        self.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.in_a_row}
         self.callback_state = dict(state.get("callbacks") or {})
         self.meters.load_state_dict(state.get("meters") or {})  # older checkpoints: a fresh epoch
         self._meters_flushed_at = self.step
