@@ -41,7 +41,7 @@ from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
     is_oom,
 )
-from raytrain_loops.engine.meters import Meters
+from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
 from raytrain_loops.engine.precision import autocast, grad_scaler
 from raytrain_loops.engine.rng import rng_state, set_rng_state
@@ -139,7 +139,6 @@ class Engine:
         self._counts, self._count_keys = counts, tuple(count_keys)
         self._after_step = after_step
         self.meters = Meters(epochs=True)
-        self._meters_flushed_at: int | None = None  # the step of the epoch sums' last reduction
         self.dummy_batch: Any = None  # a batch to join the collectives with at zero weight
         # Counters: all part of the saved state.
         self.step = 0
@@ -183,7 +182,7 @@ class Engine:
             if self._after_step is not None and stats:
                 self._after_step(self.module, stats)
             compute = time.perf_counter() - start
-            self._log_step(local.logs, reduced, values["lr"], compute, data_time)
+            log_step(self, local.logs, reduced, values["lr"], compute, data_time)
         else:
             skips.skip(self, decision, micro_batches, local, ctx)
             compute = time.perf_counter() - start
@@ -321,51 +320,6 @@ class Engine:
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
 
-    def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
-        m = self.meters
-        for values, weight in logs:
-            for name, v in values.items():
-                m.add(name, v, weight)
-        # Host numbers, already identical on every worker: weight by 1/world so the summed
-        # reduction gives back the value itself.
-        w = 1.0 / self.world_size
-        m.add("loss", reduced.loss, reduced.weight * w)
-        m.add("grad_norm", reduced.grad_norm, w)
-        m.add("lr", lr, w)
-        m.add("sample_size", reduced.sample_size, w)
-        # Units (tokens, for a token-level criterion) per second of step time over all workers
-        # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
-        busy = compute + data_time
-        m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
-        m.add("compute_time", compute)
-        m.add("data_time", data_time)
-        m.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
-
-    def reduce_metrics(self) -> dict[str, float]:
-        """Means over all workers since the last call, plus counters. Every worker must call it
-        at the same point (it runs collectives)."""
-        out = self.meters.reduce()
-        out.update(step=float(self.step), epoch=float(self.epoch))
-        out.update({k: float(v) for k, v in self.counts.items() if k != "micro_batches"})
-        if self.scaler.is_enabled():
-            out["loss_scale"] = self.scaler.get_scale()
-        return out
-
-    def flush_epoch_metrics(self) -> None:
-        """Reduce the epoch's metric sums so far over all workers, so that the state dict holds
-        them for every worker (before a checkpoint). Every worker must call it at the same point;
-        it runs a collective only when an update was applied since the last one (the step count
-        is the same on every worker, so they agree)."""
-        if self._meters_flushed_at != self.step:
-            self.meters.flush_epoch()
-            self._meters_flushed_at = self.step
-
-    def end_epoch_metrics(self) -> dict[str, float]:
-        """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
-        fresh epoch. Every worker must call it at the same point (one all-reduce)."""
-        self._meters_flushed_at = self.step
-        return self.meters.end_epoch()
-
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -437,6 +391,6 @@ class Engine:
         self.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.in_a_row}
         self.callback_state = dict(state.get("callbacks") or {})
         self.meters.load_state_dict(state.get("meters") or {})  # older checkpoints: a fresh epoch
-        self._meters_flushed_at = self.step
+        self.meters.flushed_at = self.step
         if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
             set_rng_state(state["rng"])
