@@ -332,7 +332,7 @@ def test_per_epoch_schedules_follow_the_epoch_and_count_warmup_and_milestones_in
     )
     engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100, total_epochs=10)
     engine.epoch = 5
-    assert engine.values()["lr"] == pytest.approx((4 / 9) ** 0.9)
+    assert engine.schedule_values()["lr"] == pytest.approx((4 / 9) ** 0.9)
     with pytest.raises(ValueError, match="total_epochs"):
         Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100)
 

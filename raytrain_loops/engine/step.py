@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
-from raytrain_loops.engine import skips
+from raytrain_loops.engine import schedules, skips
 from raytrain_loops.engine.api import LossFn, StepContext, StepResult
 from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.devices import to_device, unwrap
@@ -45,7 +45,6 @@ from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
 from raytrain_loops.engine.precision import autocast, grad_scaler
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.schedules import schedule_values
 
 __all__ = ["Engine"]
 
@@ -151,15 +150,17 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def values(self) -> dict[str, float]:
+    def schedule_values(self) -> dict[str, float]:
         """Every schedule's value at the current step (and epoch, for ``per: epoch`` ones)."""
-        return schedule_values(self.config.schedules, self.step, self.total_steps, self.epoch, self.total_epochs)
+        return schedules.schedule_values(
+            self.config.schedules, self.step, self.total_steps, self.epoch, self.total_epochs
+        )
 
     def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
         has run out of data: it still joins the collectives, contributing nothing)."""
         start = time.perf_counter()
-        values = self.values()
+        values = self.schedule_values()
         apply_values(self.optimizer, values["lr"], values["weight_decay"])
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

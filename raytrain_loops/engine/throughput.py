@@ -224,7 +224,7 @@ class Throughput(Callback):
         ema = None
         if engine.ema is not None:
             ema = plain_copy(source, device) if on_meta else plain_copy(engine.ema.module)
-        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema, measuring=True)
+        ctx = StepContext(engine.step, engine.epoch, engine.schedule_values(), ema, measuring=True)
         if self.counts is not None:  # from the values, before the batch goes to meta
             ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
         batch = to_device(batch, device)
