@@ -1,23 +1,28 @@
-"""One optimizer update over K micro-batches, with the numerics of the seed loops.
+"""The update: :class:`Engine`, the per-worker model, optimizer, loss scaler, EMA and counters,
+and its one optimizer update over K micro-batches, with the numerics of the seed loops; its state
+dict (the checkpoint's ``model``, ``optimizer``, ``scaler``, ``ema``, ``counters``, ``callbacks``,
+``meters``, ``rng``, ``layout``).
 
 Per step, on every worker (docs/architecture.md places it among the layers):
 
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others), and so does FSDP (its reduce-scatter; every worker
    runs every micro-batch's forward, a zero-weight one when it has no data, since FSDP gathers
-   the parameters in each forward);
+   the parameters in each forward): :mod:`~raytrain_loops.engine.distributed.step_sync`;
 2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
    each worker's part of the squared norm of its shard under FSDP,
    followed (``grad_sync.check``, DDP only) by one slot per worker for its own squared gradient norm and
    by the criterion's ``stats``, and one host read of it: every decision below is taken from the
    reduced values, so every worker takes the same one. A task that declares counts adds one
    small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
-3. :func:`decide`, a pure function of the reduced values: apply, or skip (OOM anywhere, no data
-   anywhere, fp16 overflow, non-finite) and possibly raise, the same on all workers; raise when
-   the workers' gradient norms differ (DDP left them unsynchronised);
+3. :func:`~raytrain_loops.engine.decision.decide`, a pure function of the reduced values: apply,
+   or skip (OOM anywhere, no data anywhere, fp16 overflow, non-finite) and possibly raise, the
+   same on all workers (:mod:`~raytrain_loops.engine.skips`); raise when the workers' gradient
+   norms differ (DDP left them unsynchronised);
 4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
    averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
-   optimizer, update the loss scale, count the step and update the EMA.
+   optimizer, update the loss scale, count the step and update the EMA; the update's values go
+   to the engine's meters (:func:`~raytrain_loops.engine.meters.log_step`).
 """
 
 from __future__ import annotations
@@ -33,14 +38,12 @@ from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
 from raytrain_loops.engine import schedules, skips
-from raytrain_loops.engine.api import LossFn, StepContext, StepResult
+from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
 from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.distributed import collectives, sharding, step_sync
 from raytrain_loops.engine.ema import EMA
-from raytrain_loops.engine.guards import (
-    is_oom,
-)
+from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
 from raytrain_loops.engine.precision import autocast, grad_scaler
@@ -62,6 +65,21 @@ class LocalSums:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over micro-batches
     term_sums: dict[str, float] = field(default_factory=dict)  # unscaled terms, for error messages
 
+    def add(self, index: int, out: LossOutput) -> None:
+        """Add micro-batch ``index``'s criterion output (detached)."""
+        loss = out.loss.detach().float()
+        self.losses.append((index, loss))
+        self.loss_sum = self.loss_sum + loss
+        self.sample_size = self.sample_size + out.sample_size
+        self.terms += 1.0
+        self.add_stats(out.stats)
+        if out.terms:
+            self.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
+            for name, t in out.terms.items():
+                self.term_sums[name] = self.term_sums.get(name, 0.0) + t.detach().float()
+        else:
+            self.logs.append((out.logs, out.sample_size))
+
     def add_stats(self, stats: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         for k, v in stats.items():
             v = v.detach().double().flatten() * weight
@@ -77,8 +95,33 @@ def _frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
     return frozen
 
 
+def _optimizer_scaler_ema(
+    module: nn.Module,
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    sharded: bool,
+    task_param_groups: list[dict[str, Any]] | None,
+    ema_module: nn.Module | None,
+) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler, EMA | None]:
+    """The optimizer over ``module``'s parameter groups, the loss scaler, and the EMA when
+    ``ema.enabled`` (of ``ema_module``, the model's copy sharded alike, for a sharded model)."""
+    groups = param_groups(module, config.optim, task_param_groups)
+    optimizer = build_optimizer(groups, config.optim)
+    scaler = grad_scaler(config.precision, device)
+    if scaler.is_enabled():
+        scaler.scale(torch.ones((), device=device))  # creates the scale: a first step may have no data
+    if config.ema.enabled and sharded and ema_module is None:
+        raise ValueError(
+            "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
+            "(FSDP modules cannot be deep-copied)"
+        )
+    ema = EMA(module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
+    return optimizer, scaler, ema
+
+
 class Engine:
-    """The per-worker training state and its step. Imports no Ray.
+    """The per-worker training state and its update. Imports no Ray.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard``
     (one of them is required when more than one worker runs). ``ema_module``: the EMA's copy of
@@ -86,6 +129,12 @@ class Engine:
     ``total_steps`` is the run's length in optimizer steps, for the schedules;
     ``total_epochs`` the epochs it spans (:func:`~raytrain_loops.engine.length.epochs_in_run`),
     required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
+
+    The step's DDP/FSDP mechanics (:mod:`~raytrain_loops.engine.distributed.step_sync`), a
+    skipped update (:mod:`~raytrain_loops.engine.skips`) and the meters' logging
+    (:mod:`~raytrain_loops.engine.meters`) are functions taking the engine, reading its public
+    attributes. :meth:`state_dict`, :meth:`load_state_dict` and :meth:`sharded_targets` are its
+    state, as checkpoints hold it.
     """
 
     def __init__(
@@ -120,17 +169,14 @@ class Engine:
         # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
         self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
         self._mean = config.loss.reduction == "mean"
-        groups = param_groups(self.module, config.optim, task_param_groups)
-        self.optimizer = build_optimizer(groups, config.optim)
-        self.scaler = grad_scaler(config.precision, self.device)
-        if self.scaler.is_enabled():
-            self.scaler.scale(torch.ones((), device=self.device))  # creates the scale: a first step may have no data
-        if config.ema.enabled and self.sharded and ema_module is None:
-            raise ValueError(
-                "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
-                "(FSDP modules cannot be deep-copied)"
-            )
-        self.ema = EMA(self.module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
+        self.optimizer, self.scaler, self.ema = _optimizer_scaler_ema(
+            self.module,
+            config,
+            self.device,
+            sharded=self.sharded,
+            task_param_groups=task_param_groups,
+            ema_module=ema_module,
+        )
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._frozen = _frozen_params(self.module, config.freeze)
         if bool(counts) != bool(count_keys):
@@ -225,18 +271,7 @@ class Engine:
                     raise
                 step_sync.recover_from_oom(self, ctx, err, local, backward=backward, last=last)
                 continue
-            loss = out.loss.detach().float()
-            local.losses.append((i, loss))
-            local.loss_sum = local.loss_sum + loss
-            local.sample_size = local.sample_size + out.sample_size
-            local.terms += 1.0
-            local.add_stats(out.stats)
-            if out.terms:
-                local.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
-                for name, t in out.terms.items():
-                    local.term_sums[name] = local.term_sums.get(name, 0.0) + t.detach().float()
-            else:
-                local.logs.append((out.logs, out.sample_size))
+            local.add(i, out)
         self.counts["micro_batches"] += k
         return local
 
