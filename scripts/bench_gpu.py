@@ -217,7 +217,7 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raytrain_loops.engine.sharding import prepare_model, shard
+    from raytrain_loops.engine.distributed.sharding import prepare_model, shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = spec["device"] == "cuda"

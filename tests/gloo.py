@@ -64,7 +64,7 @@ PRELOAD = [
     "raytrain_loops.data",
     "raytrain_loops.engine",
     "raytrain_loops.engine.loop",
-    "raytrain_loops.engine.sharding",
+    "raytrain_loops.engine.distributed.sharding",
     "raytrain_loops.callbacks.throughput",
     "raytrain_loops.recipes",
     "raytrain_loops.tasks.detr",

@@ -12,6 +12,7 @@ from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput, LossScaleError, NonFiniteError, schedule_value
 from raytrain_loops.engine.length import epochs_in_run
 from raytrain_loops.engine.loop import accum_steps, timed_groups
+from raytrain_loops.engine.meters import reduce_metrics
 from tests import fakes
 
 
@@ -245,11 +246,11 @@ def test_metrics_are_weighted_means_over_the_interval():
     x, y = fakes.regression_data(n=12)
     r1 = engine.train_step(fakes.split(x, y, [2, 4]))
     r2 = engine.train_step(fakes.split(x[6:], y[6:], [6]))
-    m = engine.reduce_metrics()
+    m = reduce_metrics(engine)
     assert m["loss"] == pytest.approx((r1.loss * 6 + r2.loss * 6) / 12)
     assert m["mse"] == pytest.approx(m["loss"])  # logs weighted by sample size too
     assert m["sample_size"] == 6 and m["step"] == 2
-    assert engine.reduce_metrics().keys() == {"step", "epoch", "overflow", "nonfinite", "oom"}  # reset after reading
+    assert reduce_metrics(engine).keys() == {"step", "epoch", "overflow", "nonfinite", "oom"}  # reset after reading
 
 
 def test_timed_groups_and_accumulation_start_epoch():
@@ -331,7 +332,7 @@ def test_per_epoch_schedules_follow_the_epoch_and_count_warmup_and_milestones_in
     )
     engine = Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100, total_epochs=10)
     engine.epoch = 5
-    assert engine.values()["lr"] == pytest.approx((4 / 9) ** 0.9)
+    assert engine.schedule_values()["lr"] == pytest.approx((4 / 9) ** 0.9)
     with pytest.raises(ValueError, match="total_epochs"):
         Engine(fakes.make_model(), fakes.mean_loss, cfg.engine, total_steps=100)
 

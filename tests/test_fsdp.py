@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.sharding import shard
+from raytrain_loops.engine.distributed.sharding import shard
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -486,7 +486,7 @@ def _backward_ops(model, tokens) -> tuple[float, dict[str, float], dict[str, int
 
 
 def test_activation_checkpointing_per_block_keeps_names_and_gradients_and_recomputes_what_it_says():
-    from raytrain_loops.engine.sharding import prepare_model
+    from raytrain_loops.engine.distributed.sharding import prepare_model
 
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     plain = _lm_model()
@@ -510,7 +510,7 @@ def test_regional_compile_keeps_names_and_checkpoints_and_gives_the_same_loss():
     from torch._dynamo.utils import counters
 
     from raytrain_loops.config.engine import CompileConfig
-    from raytrain_loops.engine.sharding import prepare_model
+    from raytrain_loops.engine.distributed.sharding import prepare_model
 
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     plain = _lm_model()

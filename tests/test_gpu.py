@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_loops.config import load_config
 from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.engine import Decision, Engine, LossOutput
+from raytrain_loops.engine.distributed.sharding import prepare_model, shard
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
-from raytrain_loops.engine.sharding import prepare_model, shard
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import LMTask
 from tests import fakes
@@ -206,7 +206,7 @@ def test_a_resumed_engine_redraws_the_same_cuda_dropout_masks():
 
 def test_map_style_batches_of_a_cuda_worker_are_pinned_and_copied_to_it():
     from raytrain_loops.data import GroupedBatchSampler, MapBatches
-    from raytrain_loops.engine.step import to_device
+    from raytrain_loops.engine.devices import to_device
     from raytrain_loops.tasks import MapSplit
 
     rows = torch.utils.data.TensorDataset(torch.randn(24, 3), torch.arange(24))

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.callbacks.spike_guard import SpikeGuard
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine import Engine, dist
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.guards import LossSpikeError, NonFiniteError
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
@@ -297,7 +298,7 @@ def _epoch_averages(rank: int, world: int):
     loop.run()
     state, position = reporter.saved[4]  # one step into epoch 1
     # Every worker resumes from rank 0's shared state with its own RNG, as from a checkpoint.
-    shared = dist.all_gather_object(state)[0]
+    shared = collectives.all_gather_object(state)[0]
     resumed = EpochRecords()
     loop2, _, reporter2 = _loop(
         *EPOCHS,

@@ -11,8 +11,8 @@ import torch
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine import dist as engine_dist
-from raytrain_loops.engine.meters import Meters, Smoother
+from raytrain_loops.engine.distributed import collectives
+from raytrain_loops.engine.meters import Meters, Smoother, end_epoch_metrics, reduce_metrics
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -77,7 +77,7 @@ def test_smoothing_settings_are_checked_naming_the_key():
 
 
 def _counted(calls: list[str]):
-    reduce, gather = engine_dist.all_reduce_sum, engine_dist.all_gather_object
+    reduce, gather = collectives.all_reduce_sum, collectives.all_gather_object
 
     def counted_reduce(t):
         calls.append("all_reduce")
@@ -111,12 +111,12 @@ def _epoch_sums(rank: int, world: int):
         if rank == 1:
             meters.add("loss", 0.0, 4.0)
     calls: list[str] = []
-    original = engine_dist.all_reduce_sum, engine_dist.all_gather_object
-    engine_dist.all_reduce_sum, engine_dist.all_gather_object = _counted(calls)
+    original = collectives.all_reduce_sum, collectives.all_gather_object
+    collectives.all_reduce_sum, collectives.all_gather_object = _counted(calls)
     try:
         epoch = m.end_epoch()
     finally:
-        engine_dist.all_reduce_sum, engine_dist.all_gather_object = original
+        collectives.all_reduce_sum, collectives.all_gather_object = original
     return {
         "interval": interval,
         "epoch": epoch,
@@ -147,10 +147,10 @@ def test_batch_time_is_data_time_plus_compute_time():
     x, y = fakes.regression_data(n=8)
     engine.train_step([(x, y)], data_time=0.25)
     engine.train_step([(x, y)], data_time=0.75)
-    m = engine.reduce_metrics()
+    m = reduce_metrics(engine)
     assert m["data_time"] == 0.5
     assert m["batch_time"] == pytest.approx(m["data_time"] + m["compute_time"])
-    assert engine.end_epoch_metrics()["batch_time"] == pytest.approx(m["batch_time"])
+    assert end_epoch_metrics(engine)["batch_time"] == pytest.approx(m["batch_time"])
 
 
 INTERVALS = [

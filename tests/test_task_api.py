@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.engine import Engine, LossOutput, NonFiniteError
-from raytrain_loops.engine import dist as engine_dist
+from raytrain_loops.engine.distributed import collectives
+from raytrain_loops.engine.meters import reduce_metrics
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tasks.dino import update_center
 from tests import fakes
@@ -64,14 +65,14 @@ def _two_workers_with_uneven_boxes(rank: int, world: int, boxes: list[torch.Tens
         after_step=lambda m, s: stats.append(s),
     )
     batches = [{"x": boxes[0]}, {"x": boxes[1]}] if rank == 0 else [{"x": boxes[2]}, None]
-    original = engine_dist.all_reduce_sum
+    original = collectives.all_reduce_sum
     calls, counted = _counting_all_reduces(original)
-    engine_dist.all_reduce_sum = counted
+    collectives.all_reduce_sum = counted
     try:
         result = engine.train_step(batches)
     finally:
-        engine_dist.all_reduce_sum = original
-    metrics = engine.reduce_metrics()
+        collectives.all_reduce_sum = original
+    metrics = reduce_metrics(engine)
     return {
         "applied": result.applied,
         "weight": module.weight.detach().clone(),
@@ -114,14 +115,14 @@ def test_counts_terms_and_stats_over_two_workers_with_uneven_boxes_and_a_none_mi
 def _without_counts(rank: int, world: int):
     model = DDP(fakes.make_model())
     engine = Engine(model, fakes.mean_loss, fakes.config().engine, total_steps=1)
-    original = engine_dist.all_reduce_sum
+    original = collectives.all_reduce_sum
     calls, counted = _counting_all_reduces(original)
-    engine_dist.all_reduce_sum = counted
+    collectives.all_reduce_sum = counted
     try:
         x, y = fakes.regression_data(n=8, seed=rank)
         engine.train_step([(x, y)])
     finally:
-        engine_dist.all_reduce_sum = original
+        collectives.all_reduce_sum = original
     return len(calls)
 
 

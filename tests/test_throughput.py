@@ -206,7 +206,7 @@ def test_the_count_includes_attention_and_skips_a_compiled_forward():
 def _sharded(rank: int, world: int):
     """The tiny model sharded by FSDP2 over 2 workers, counted on its plain structure."""
     from raytrain_loops.callbacks.throughput import plain_copy
-    from raytrain_loops.engine.sharding import shard
+    from raytrain_loops.engine.distributed.sharding import shard
 
     cfg = fakes.config(
         "schedules.lr.value=0.01", "logging.every_steps=2", "loop.max_steps=4", "logging.throughput.peak_tflops=0.001"

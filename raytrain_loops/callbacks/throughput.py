@@ -38,12 +38,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config.engine import ThroughputConfig
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.api import LossFn, StepContext, StepResult
+from raytrain_loops.engine.devices import to_device, unwrap
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.precision import autocast
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.step import Engine, LossFn, StepContext, StepResult, to_device, unwrap
+from raytrain_loops.engine.step import Engine
 
 __all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops", "plain_copy"]
 
@@ -162,7 +164,7 @@ class Throughput(Callback):
         self.enabled = cfg.enabled
         self.engine, self.criterion, self.counts, self.plain = engine, criterion, counts, plain
         self.device = engine.device
-        self.rank = dist.rank()
+        self.rank = collectives.rank()
         self.gpu = self.device.type == "cuda"
         self.peak = peak_tflops(cfg.peak_tflops, self.device) if self.enabled else None
         self.flops_unit, self.flops_scale = ("tflops_per_s", 1e12) if self.gpu else ("gflops_per_s", 1e9)
@@ -222,7 +224,7 @@ class Throughput(Callback):
         ema = None
         if engine.ema is not None:
             ema = plain_copy(source, device) if on_meta else plain_copy(engine.ema.module)
-        ctx = StepContext(engine.step, engine.epoch, engine.values(), ema, measuring=True)
+        ctx = StepContext(engine.step, engine.epoch, engine.schedule_values(), ema, measuring=True)
         if self.counts is not None:  # from the values, before the batch goes to meta
             ctx.totals = {k: float(v) for k, v in self.counts(batch).items()}
         batch = to_device(batch, device)

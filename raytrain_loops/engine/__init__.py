@@ -1,5 +1,8 @@
 """The per-worker training engine. It imports no Ray and runs with or without a process group."""
 
+from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
+from raytrain_loops.engine.decision import Decision, Reduced, decide
+from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.ema import EMA
 from raytrain_loops.engine.guards import (
     GradSyncError,
@@ -10,18 +13,7 @@ from raytrain_loops.engine.guards import (
     TrainingError,
 )
 from raytrain_loops.engine.schedules import schedule_value, schedule_values
-from raytrain_loops.engine.step import (
-    Decision,
-    Engine,
-    LossFn,
-    LossOutput,
-    Reduced,
-    StepContext,
-    StepResult,
-    decide,
-    to_device,
-    unwrap,
-)
+from raytrain_loops.engine.step import Engine
 
 __all__ = [
     "Decision",

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from raytrain_loops.engine.sharding import local
+from raytrain_loops.engine.distributed.sharding import local
 
 
 class EMA:

@@ -76,7 +76,7 @@ def first_nonfinite_module(model: nn.Module, run: Callable[[], object]) -> str |
 def first_nonfinite_grad(model: nn.Module) -> str | None:
     """The name of the first parameter whose gradient is non-finite (in this worker's shard, under
     FSDP: a check of the whole DTensor would be a collective that only some workers reach)."""
-    from raytrain_loops.engine.sharding import local
+    from raytrain_loops.engine.distributed.sharding import local
 
     for name, p in model.named_parameters():
         if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all()):

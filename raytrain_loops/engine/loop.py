@@ -25,11 +25,13 @@ import torch
 
 from raytrain_loops.config.engine import AccumConfig
 from raytrain_loops.config.run import Config
-from raytrain_loops.engine import sharding
+from raytrain_loops.engine.api import StepResult
+from raytrain_loops.engine.devices import to_device
+from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
-from raytrain_loops.engine.meters import Meters
+from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
 from raytrain_loops.engine.precision import autocast
-from raytrain_loops.engine.step import Engine, StepResult, to_device
+from raytrain_loops.engine.step import Engine
 
 __all__ = [
     "BatchSource",
@@ -305,7 +307,7 @@ class Loop:
             return Position(epoch, done * k), False  # a resumed run continues right here
         for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
             pass
-        self.last_epoch = {f"train_{k}": v for k, v in engine.end_epoch_metrics().items()}
+        self.last_epoch = {f"train_{k}": v for k, v in end_epoch_metrics(engine).items()}
         for cb in self.callbacks:
             cb.on_epoch(self.last_epoch, engine.step, epoch)
         engine.epoch += 1
@@ -340,7 +342,7 @@ class Loop:
         for cb in self.callbacks:
             for name, (value, weight) in cb.interval_meters().items():
                 self.engine.meters.add(name, value, weight)
-        metrics = self.engine.reduce_metrics()
+        metrics = reduce_metrics(self.engine)
         for cb in self.callbacks:
             metrics.update(cb.interval_metrics(metrics))
         return metrics
@@ -363,7 +365,7 @@ class Loop:
         if checkpoint_now:
             # The epoch's sums so far, over all workers, go into the checkpoint: a run resumed
             # from it ends the epoch with the same averages as this one.
-            engine.flush_epoch_metrics()
+            flush_epoch_metrics(engine)
             for cb in self.callbacks:
                 cb.before_checkpoint()
             states = {cb.state_key: cb.state_dict() for cb in self.callbacks}

@@ -1,17 +1,25 @@
 """Metric sums and weights kept where they are produced, aggregated across workers on demand:
 over a logging interval, and over an epoch (the global averages DINO and DETR return from an
-epoch); and :class:`Smoother`, the smoothed values of the interval means that the progress line
-shows (seamseg's momentum meters, DETR's window median)."""
+epoch); the engine's meters, fed by each applied update (:func:`log_step`) and reduced where the
+loop says (:func:`reduce_metrics`, :func:`flush_epoch_metrics`, :func:`end_epoch_metrics`); and
+:class:`Smoother`, the smoothed values of the interval means that the progress line shows
+(seamseg's momentum meters, DETR's window median)."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
+
+if TYPE_CHECKING:
+    from raytrain_loops.engine.decision import Reduced
+    from raytrain_loops.engine.step import Engine
+
+__all__ = ["Meters", "Smoother", "end_epoch_metrics", "flush_epoch_metrics", "log_step", "reduce_metrics"]
 
 Number = torch.Tensor | float
 
@@ -54,6 +62,7 @@ class Meters:
         self._epoch = _Sums() if epochs else None  # this worker's, since the last flush
         self._epoch_reduced: dict[str, list[float]] = {}  # over all workers: [sum, weight]
         self._known: set[str] = set()  # names every worker has agreed on, the same everywhere
+        self.flushed_at: int | None = None  # the engine's step at the epoch sums' last reduction
 
     def add(self, name: str, value: Number, weight: Number = 1.0) -> None:
         """Add ``value`` with ``weight`` (either may be a device tensor or a host number)."""
@@ -105,7 +114,7 @@ class Meters:
         names = sorted(self._known)
         flat = self._pack_and_reduce(local, names, float(not self._known.issuperset(local.sums)))
         if flat[-1] > 0:  # a name some worker has not had reduced yet: agree on the names first
-            self._known.update(*dist.all_gather_object(sorted(local.sums)))
+            self._known.update(*collectives.all_gather_object(sorted(local.sums)))
             names = sorted(self._known)
             flat = self._pack_and_reduce(local, names, 0.0)
         local.clear()
@@ -114,7 +123,7 @@ class Meters:
 
     @staticmethod
     def _pack_and_reduce(local: _Sums, names: list[str], flag: float) -> list[float]:
-        device = dist.collective_device()
+        device = collectives.collective_device()
         sums, weights = local.sums, local.weights
 
         def cell(v: Number) -> torch.Tensor:
@@ -124,8 +133,67 @@ class Meters:
 
         cells = [cell(sums.get(n, 0.0)) for n in names] + [cell(weights.get(n, 0.0)) for n in names]
         packed = torch.stack([*cells, cell(flag)])
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         return packed.tolist()
+
+
+def log_step(
+    engine: Engine,
+    logs: list[tuple[dict[str, Any], Any]],
+    reduced: Reduced,
+    lr: float,
+    compute: float,
+    data_time: float,
+) -> None:
+    """Add an applied update to the engine's meters: the criterion's ``logs`` (``(values,
+    weight)`` per micro-batch), the reduced loss and gradient norm, the learning rate, the
+    throughput and the step's times."""
+    m = engine.meters
+    for values, weight in logs:
+        for name, v in values.items():
+            m.add(name, v, weight)
+    # Host numbers, already identical on every worker: weight by 1/world so the summed
+    # reduction gives back the value itself.
+    w = 1.0 / engine.world_size
+    m.add("loss", reduced.loss, reduced.weight * w)
+    m.add("grad_norm", reduced.grad_norm, w)
+    m.add("lr", lr, w)
+    m.add("sample_size", reduced.sample_size, w)
+    # Units (tokens, for a token-level criterion) per second of step time over all workers
+    # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
+    busy = compute + data_time
+    m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
+    m.add("compute_time", compute)
+    m.add("data_time", data_time)
+    m.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
+
+
+def reduce_metrics(engine: Engine) -> dict[str, float]:
+    """The engine's means over all workers since the last call, plus its counters. Every worker
+    must call it at the same point (it runs collectives)."""
+    out = engine.meters.reduce()
+    out.update(step=float(engine.step), epoch=float(engine.epoch))
+    out.update({k: float(v) for k, v in engine.counts.items() if k != "micro_batches"})
+    if engine.scaler.is_enabled():
+        out["loss_scale"] = engine.scaler.get_scale()
+    return out
+
+
+def flush_epoch_metrics(engine: Engine) -> None:
+    """Reduce the epoch's metric sums so far over all workers, so that the engine's state dict
+    holds them for every worker (before a checkpoint). Every worker must call it at the same
+    point; it runs a collective only when an update was applied since the last one (the step
+    count is the same on every worker, so they agree)."""
+    if engine.meters.flushed_at != engine.step:
+        engine.meters.flush_epoch()
+        engine.meters.flushed_at = engine.step
+
+
+def end_epoch_metrics(engine: Engine) -> dict[str, float]:
+    """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
+    fresh epoch. Every worker must call it at the same point (one all-reduce)."""
+    engine.meters.flushed_at = engine.step
+    return engine.meters.end_epoch()
 
 
 class Smoother:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from raytrain_loops.config.engine import PrecisionConfig
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RESOLVED = ("fp32", "bf16", "fp16")  # what ``auto`` becomes: the order is the code broadcast by decide()
@@ -117,9 +117,9 @@ def decide(requested: str, device: torch.device, recorded: str | None = None) ->
     rank 0's reason (other ranks: ``"rank 0's decision"``)."""
     if requested != "auto":
         return requested, "as configured"
-    code = torch.zeros(1, dtype=torch.float32, device=dist.collective_device())
+    code = torch.zeros(1, dtype=torch.float32, device=collectives.collective_device())
     reason = "rank 0's decision"
-    if dist.rank() == 0:
+    if collectives.rank() == 0:
         if recorded is not None:
             if recorded not in RESOLVED:
                 raise ValueError(f"the run's recorded precision {recorded!r} is not one of {RESOLVED}")
@@ -127,5 +127,5 @@ def decide(requested: str, device: torch.device, recorded: str | None = None) ->
         else:
             dtype, reason = resolve(requested, hardware(device))
         code += RESOLVED.index(dtype) + 1
-    dist.all_reduce_sum(code)
+    collectives.all_reduce_sum(code)
     return RESOLVED[int(code.item()) - 1], reason

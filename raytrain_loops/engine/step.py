@@ -1,31 +1,33 @@
-"""One optimizer update over K micro-batches, with the numerics of the seed loops.
+"""The update: :class:`Engine`, the per-worker model, optimizer, loss scaler, EMA and counters,
+and its one optimizer update over K micro-batches, with the numerics of the seed loops; its state
+dict (the checkpoint's ``model``, ``optimizer``, ``scaler``, ``ema``, ``counters``, ``callbacks``,
+``meters``, ``rng``, ``layout``).
 
 Per step, on every worker (docs/architecture.md places it among the layers):
 
 1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
    the last one (``no_sync`` on the others), and so does FSDP (its reduce-scatter; every worker
    runs every micro-batch's forward, a zero-weight one when it has no data, since FSDP gathers
-   the parameters in each forward);
+   the parameters in each forward): :mod:`~raytrain_loops.engine.distributed.step_sync`;
 2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
    each worker's part of the squared norm of its shard under FSDP,
    followed (``grad_sync.check``, DDP only) by one slot per worker for its own squared gradient norm and
    by the criterion's ``stats``, and one host read of it: every decision below is taken from the
    reduced values, so every worker takes the same one. A task that declares counts adds one
    small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
-3. :func:`decide`, a pure function of the reduced values: apply, or skip (OOM anywhere, no data
-   anywhere, fp16 overflow, non-finite) and possibly raise, the same on all workers; raise when
-   the workers' gradient norms differ (DDP left them unsynchronised);
+3. :func:`~raytrain_loops.engine.decision.decide`, a pure function of the reduced values: apply,
+   or skip (OOM anywhere, no data anywhere, fp16 overflow, non-finite) and possibly raise, the
+   same on all workers (:mod:`~raytrain_loops.engine.skips`); raise when the workers' gradient
+   norms differ (DDP left them unsynchronised);
 4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
    averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
-   optimizer, update the loss scale, count the step and update the EMA.
+   optimizer, update the loss scale, count the step and update the EMA; the update's values go
+   to the engine's meters (:func:`~raytrain_loops.engine.meters.log_step`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,144 +37,23 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
-from raytrain_loops.engine import dist, sharding
+from raytrain_loops.engine import schedules, skips
+from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
 from raytrain_loops.engine.decision import Decision, Reduced, decide
+from raytrain_loops.engine.devices import to_device, unwrap
+from raytrain_loops.engine.distributed import collectives, sharding, step_sync
 from raytrain_loops.engine.ema import EMA
-from raytrain_loops.engine.guards import (
-    GradSyncError,
-    GroupBrokenError,
-    LossScaleError,
-    NonFiniteError,
-    OOMError,
-    TrainingError,
-    first_nonfinite_grad,
-    first_nonfinite_module,
-    is_oom,
-)
-from raytrain_loops.engine.meters import Meters
+from raytrain_loops.engine.guards import is_oom
+from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
 from raytrain_loops.engine.precision import autocast, grad_scaler
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.schedules import schedule_values
 
-__all__ = [
-    "Decision",
-    "Engine",
-    "LossFn",
-    "LossOutput",
-    "Reduced",
-    "StepContext",
-    "StepResult",
-    "decide",
-    "to_device",
-    "unwrap",
-]
+__all__ = ["Engine"]
 
 
 @dataclass
-class LossOutput:
-    """What a criterion returns for one micro-batch.
-
-    ``loss``: a mean over the micro-batch (``loss.reduction=mean``) or a sum over its units
-    (``sum``). ``sample_size``: the number of units (samples or tokens); in ``sum`` mode gradients
-    are divided by its total, in both modes it weights the logged values. ``logs``: named values
-    (means over the micro-batch) to log.
-
-    Instead of ``loss``, a criterion may give named ``terms`` and their ``weights`` (DETR's loss
-    dict and weight dict): the loss is then ``sum(weights[k] * terms[k])``, and each term is
-    logged weighted under its name and as is under ``<name>_unscaled``. ``stats``: tensors summed
-    over this update's micro-batches and all workers inside the step's all-reduce, handed to the
-    engine's ``after_step`` hook when the update is applied (DINO's centre).
-    """
-
-    loss: torch.Tensor | None = None
-    sample_size: int | float | torch.Tensor = 1
-    logs: dict[str, torch.Tensor | float] = field(default_factory=dict)
-    terms: dict[str, torch.Tensor] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.terms:
-            if self.loss is None:
-                raise ValueError("a LossOutput needs a loss, or loss terms and their weights")
-            return
-        if self.loss is not None:
-            raise ValueError("a LossOutput takes a loss or weighted terms, not both: the terms make the loss")
-        missing = sorted(set(self.terms) - set(self.weights))
-        if missing:
-            raise ValueError(f"loss terms {missing} have no weight; the weights name {sorted(self.weights)}")
-        self.loss = sum(t * self.weights[k] for k, t in self.terms.items())
-
-    def term_logs(self) -> dict[str, torch.Tensor]:
-        """Each term weighted under its name and as is under ``<name>_unscaled`` (detached)."""
-        out = {}
-        for k, t in self.terms.items():
-            t = t.detach()
-            out[k] = t * self.weights[k]
-            out[f"{k}_unscaled"] = t
-        return out
-
-
-@dataclass
-class StepContext:
-    """What a criterion may read: counters, this step's schedule values, the EMA/teacher model,
-    and ``totals``: the counts the task declared (``Engine(counts=...)``), summed over this
-    update's micro-batches on all workers before any forward pass. ``slots`` is the number of
-    micro-batch places the update averages over (workers x micro-batches, ``None`` ones
-    included). ``measuring`` is true when the criterion runs outside training, on copies of the
-    models (the throughput callback's one FLOP count): a criterion with effects outside the model
-    (files, counters of its own) skips them then."""
-
-    step: int
-    epoch: int
-    values: dict[str, float]
-    ema: nn.Module | None
-    micro_index: int = 0
-    totals: dict[str, float] = field(default_factory=dict)
-    slots: int = 1
-    measuring: bool = False
-
-    def per_slot(self, name: str) -> float:
-        """``totals[name]`` over ``slots``: with ``loss.reduction=mean``, a micro-batch's sum
-        divided by it becomes, after the engine's and DDP's averaging, the sum over the whole
-        update divided by the global count (DETR's ``num_boxes``)."""
-        if name not in self.totals:
-            raise KeyError(
-                f"ctx.totals has no {name!r} (it has {sorted(self.totals)}): declare it in the task's count_keys"
-            )
-        return self.totals[name] / self.slots
-
-
-LossFn = Callable[[nn.Module, Any, StepContext], LossOutput]
-
-
-@dataclass
-class StepResult:
-    """The outcome of one call to :meth:`Engine.train_step`, identical on every worker."""
-
-    decision: Decision
-    loss: float
-    sample_size: float
-    grad_norm: float
-    lr: float
-    compute_time: float
-    data_time: float = 0.0  # waiting for this step's batches, before the call
-    # This worker's own units (a device tensor when the criterion returns one: no host sync).
-    local_sample_size: torch.Tensor | float = 0.0
-
-    @property
-    def applied(self) -> bool:
-        return self.decision is Decision.APPLY
-
-    @property
-    def skipped(self) -> str | None:
-        """Why the update was skipped (``oom``, ``empty``, ``overflow``, ``nonfinite``), or None."""
-        return None if self.applied else self.decision.value
-
-
-@dataclass
-class _Local:
+class LocalSums:
     """This worker's sums over its micro-batches, before the reduction."""
 
     sample_size: torch.Tensor | float = 0.0
@@ -184,30 +65,25 @@ class _Local:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over micro-batches
     term_sums: dict[str, float] = field(default_factory=dict)  # unscaled terms, for error messages
 
+    def add(self, index: int, out: LossOutput) -> None:
+        """Add micro-batch ``index``'s criterion output (detached)."""
+        loss = out.loss.detach().float()
+        self.losses.append((index, loss))
+        self.loss_sum = self.loss_sum + loss
+        self.sample_size = self.sample_size + out.sample_size
+        self.terms += 1.0
+        self.add_stats(out.stats)
+        if out.terms:
+            self.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
+            for name, t in out.terms.items():
+                self.term_sums[name] = self.term_sums.get(name, 0.0) + t.detach().float()
+        else:
+            self.logs.append((out.logs, out.sample_size))
+
     def add_stats(self, stats: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         for k, v in stats.items():
             v = v.detach().double().flatten() * weight
             self.stats[k] = v if k not in self.stats else self.stats[k] + v
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP (or compiled) wrapper."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) batch to ``device`` without blocking the host."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
 
 
 def _frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
@@ -219,8 +95,33 @@ def _frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
     return frozen
 
 
+def _optimizer_scaler_ema(
+    module: nn.Module,
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    sharded: bool,
+    task_param_groups: list[dict[str, Any]] | None,
+    ema_module: nn.Module | None,
+) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler, EMA | None]:
+    """The optimizer over ``module``'s parameter groups, the loss scaler, and the EMA when
+    ``ema.enabled`` (of ``ema_module``, the model's copy sharded alike, for a sharded model)."""
+    groups = param_groups(module, config.optim, task_param_groups)
+    optimizer = build_optimizer(groups, config.optim)
+    scaler = grad_scaler(config.precision, device)
+    if scaler.is_enabled():
+        scaler.scale(torch.ones((), device=device))  # creates the scale: a first step may have no data
+    if config.ema.enabled and sharded and ema_module is None:
+        raise ValueError(
+            "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
+            "(FSDP modules cannot be deep-copied)"
+        )
+    ema = EMA(module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
+    return optimizer, scaler, ema
+
+
 class Engine:
-    """The per-worker training state and its step. Imports no Ray.
+    """The per-worker training state and its update. Imports no Ray.
 
     ``model`` may be wrapped in ``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard``
     (one of them is required when more than one worker runs). ``ema_module``: the EMA's copy of
@@ -228,6 +129,12 @@ class Engine:
     ``total_steps`` is the run's length in optimizer steps, for the schedules;
     ``total_epochs`` the epochs it spans (:func:`~raytrain_loops.engine.length.epochs_in_run`),
     required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
+
+    The step's DDP/FSDP mechanics (:mod:`~raytrain_loops.engine.distributed.step_sync`), a
+    skipped update (:mod:`~raytrain_loops.engine.skips`) and the meters' logging
+    (:mod:`~raytrain_loops.engine.meters`) are functions taking the engine, reading its public
+    attributes. :meth:`state_dict`, :meth:`load_state_dict` and :meth:`sharded_targets` are its
+    state, as checkpoints hold it.
     """
 
     def __init__(
@@ -254,31 +161,22 @@ class Engine:
         per_epoch = sorted(n for n, sch in config.schedules.items() if sch.per == "epoch")
         if per_epoch and total_epochs < 1:
             raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
-        self.world_size = dist.world_size()
-        self._ddp = hasattr(model, "no_sync")
-        self.sharded = sharding.is_sharded(model)
-        if self.world_size > 1 and not (self._ddp or self.sharded):
-            raise ValueError(
-                f"{self.world_size} workers are running but the model is neither wrapped in "
-                "DistributedDataParallel nor sharded by fully_shard"
-            )
+        self.world_size = collectives.world_size()
+        self.ddp, self.sharded = step_sync.wrapping(model, self.world_size)
         self.device = sharding.local(next(self.module.parameters())).device
-        self._cdev = dist.collective_device()
+        self._cdev = collectives.collective_device()
         # Under FSDP each worker holds its own shard of the gradients, whose norms differ by
         # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
         self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
         self._mean = config.loss.reduction == "mean"
-        groups = param_groups(self.module, config.optim, task_param_groups)
-        self.optimizer = build_optimizer(groups, config.optim)
-        self.scaler = grad_scaler(config.precision, self.device)
-        if self.scaler.is_enabled():
-            self.scaler.scale(torch.ones((), device=self.device))  # creates the scale: a first step may have no data
-        if config.ema.enabled and self.sharded and ema_module is None:
-            raise ValueError(
-                "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
-                "(FSDP modules cannot be deep-copied)"
-            )
-        self.ema = EMA(self.module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
+        self.optimizer, self.scaler, self.ema = _optimizer_scaler_ema(
+            self.module,
+            config,
+            self.device,
+            sharded=self.sharded,
+            task_param_groups=task_param_groups,
+            ema_module=ema_module,
+        )
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._frozen = _frozen_params(self.module, config.freeze)
         if bool(counts) != bool(count_keys):
@@ -286,28 +184,29 @@ class Engine:
         self._counts, self._count_keys = counts, tuple(count_keys)
         self._after_step = after_step
         self.meters = Meters(epochs=True)
-        self._meters_flushed_at: int | None = None  # the step of the epoch sums' last reduction
-        self._dummy: Any = None
+        self.dummy_batch: Any = None  # a batch to join the collectives with at zero weight
         # Counters: all part of the saved state.
         self.step = 0
         self.epoch = 0
         self.counts = {"overflow": 0, "nonfinite": 0, "oom": 0, "micro_batches": 0}
-        self._in_a_row = {"nonfinite": 0, "oom": 0}
+        self.in_a_row = {"nonfinite": 0, "oom": 0}
         # The loop's callbacks' state by callback name, saved and restored with the engine's:
         # the loop sets it before each checkpoint and hands it back when a run resumes.
         self.callback_state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the step
 
-    def values(self) -> dict[str, float]:
+    def schedule_values(self) -> dict[str, float]:
         """Every schedule's value at the current step (and epoch, for ``per: epoch`` ones)."""
-        return schedule_values(self.config.schedules, self.step, self.total_steps, self.epoch, self.total_epochs)
+        return schedules.schedule_values(
+            self.config.schedules, self.step, self.total_steps, self.epoch, self.total_epochs
+        )
 
     def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
         has run out of data: it still joins the collectives, contributing nothing)."""
         start = time.perf_counter()
-        values = self.values()
+        values = self.schedule_values()
         apply_values(self.optimizer, values["lr"], values["weight_decay"])
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -330,9 +229,9 @@ class Engine:
             if self._after_step is not None and stats:
                 self._after_step(self.module, stats)
             compute = time.perf_counter() - start
-            self._log_step(local.logs, reduced, values["lr"], compute, data_time)
+            log_step(self, local.logs, reduced, values["lr"], compute, data_time)
         else:
-            self._skip(decision, micro_batches, local, ctx)
+            skips.skip(self, decision, micro_batches, local, ctx)
             compute = time.perf_counter() - start
         return StepResult(
             decision,
@@ -345,24 +244,24 @@ class Engine:
             local_sample_size=local.sample_size,
         )
 
-    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> _Local:
+    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> LocalSums:
         """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
         k = len(micro_batches)
-        local = _Local()
+        local = LocalSums()
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
             last = i == k - 1
             if batch is None:
-                self._join_with_dummy(ctx, last, local)
+                step_sync.join_with_dummy(self, ctx, last, local)
                 continue
             batch = to_device(batch, self.device)
-            if self._dummy is None:
+            if self.dummy_batch is None:
                 # Kept before the forward: a worker whose very first micro-batch fails (OOM on
                 # the first step after a restart) still has a batch to join the all-reduce with.
-                self._dummy = batch
+                self.dummy_batch = batch
             backward = False
             try:
-                with self._sync(last):
+                with step_sync.sync(self, last):
                     with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
                     backward = True
@@ -370,35 +269,9 @@ class Engine:
             except Exception as err:
                 if not is_oom(err):
                     raise
-                if self.sharded and self.world_size > 1:
-                    raise GroupBrokenError(
-                        f"out of memory in forward/backward on worker {dist.rank()} at step {self.step} under FSDP: "
-                        "the other workers are inside the parameter all-gathers and gradient reduce-scatters of "
-                        "this micro-batch, which this one cannot rejoin in order; the group restarts from the last "
-                        "checkpoint. If this repeats, lower the micro-batch size"
-                    ) from err
-                if backward and last and self._ddp and self.world_size > 1:
-                    raise GroupBrokenError(
-                        f"out of memory in the backward pass of the synchronising micro-batch on worker "
-                        f"{dist.rank()} at step {self.step}: DDP's gradient all-reduce was under way and cannot "
-                        "be completed; the group restarts from the last checkpoint"
-                    ) from err
-                # Counted, and decided by all workers alike after the all-reduce (oom.policy).
-                local.ooms += 1
-                self._recover_from_oom(ctx, last, err, local)
+                step_sync.recover_from_oom(self, ctx, err, local, backward=backward, last=last)
                 continue
-            loss = out.loss.detach().float()
-            local.losses.append((i, loss))
-            local.loss_sum = local.loss_sum + loss
-            local.sample_size = local.sample_size + out.sample_size
-            local.terms += 1.0
-            local.add_stats(out.stats)
-            if out.terms:
-                local.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
-                for name, t in out.terms.items():
-                    local.term_sums[name] = local.term_sums.get(name, 0.0) + t.detach().float()
-            else:
-                local.logs.append((out.logs, out.sample_size))
+            local.add(i, out)
         self.counts["micro_batches"] += k
         return local
 
@@ -418,10 +291,10 @@ class Engine:
             for key, n in counts.items():
                 sums[key] += float(n)
         packed = torch.tensor([sums[k] for k in self._count_keys], dtype=torch.float64, device=self._cdev)
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         return dict(zip(self._count_keys, packed.tolist(), strict=True))
 
-    def _reduce(self, local: _Local, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
+    def _reduce(self, local: LocalSums, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
         """The step's one all-reduce and its one host read; the criterion's ``stats`` ride along
         (summed over micro-batches and workers)."""
         norm_sq = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else 0.0
@@ -435,13 +308,13 @@ class Engine:
             # Each worker's own norm in its own slot: the sum over workers is the list of norms,
             # so the consistency check costs no extra collective.
             slots = torch.zeros(self.world_size, dtype=torch.float64, device=self._cdev)
-            slots[dist.rank()] = packed[4]
+            slots[collectives.rank()] = packed[4]
             packed = torch.cat([packed, slots])
         head = packed.numel()
         names = sorted(local.stats)
         if names:
             packed = torch.cat([packed, *(local.stats[k].to(self._cdev) for k in names)])
-        dist.all_reduce_sum(packed)
+        collectives.all_reduce_sum(packed)
         stats, at = {}, head
         for k in names:
             n = local.stats[k].numel()
@@ -453,7 +326,7 @@ class Engine:
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
         if self._check_sync:
-            self._check_grad_sync(list(reduced.norms))
+            step_sync.check_grad_sync(list(reduced.norms), self.config.grad_sync.rtol, self.step)
         self._clip_and_normalise(grads, reduced.grad_factor, reduced.grad_norm)
         if self.epoch < self.config.freeze.last_layer_epochs:
             for p in self._frozen:
@@ -462,72 +335,11 @@ class Engine:
         if self.scaler.is_enabled():
             self.scaler.update()
         self.step += 1
-        self._in_a_row = {"nonfinite": 0, "oom": 0}
+        self.in_a_row = {"nonfinite": 0, "oom": 0}
         if self.ema is not None and self.step % self.config.ema.every == 0:
             self.ema.update(ema_momentum)
 
     # ------------------------------------------------------------------ pieces of the step
-
-    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
-        if self.sharded:
-            # FSDP2's counterpart of no_sync: gradients stay unsharded and accumulate until the
-            # last micro-batch's backward reduce-scatters their sum.
-            self.model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        if self._ddp and not last:
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def _join_with_dummy(self, ctx: StepContext, last: bool, local: _Local | None = None) -> None:
-        """Run a zero-weight forward/backward so DDP's all-reduce on the last micro-batch still
-        gets this worker's (zero) contribution; off the last micro-batch nothing is needed. Under
-        FSDP every micro-batch needs it: each forward gathers the parameters from all workers."""
-        if self.world_size == 1 or not (self.sharded or (last and self._ddp)):
-            return
-        if self._dummy is None:
-            raise TrainingError(
-                "a worker has no batch to join the gradient all-reduce with: its first micro-batch "
-                "failed or it had no data at all; check data.batch_size against the rows per worker"
-            )
-        with self._sync(last), autocast(self.config.precision, self.device):
-            out = self.loss_fn(self.model, self._dummy, ctx)
-        (out.loss * 0.0).backward()
-        if local is not None:
-            # Zero-weight stats give the step's all-reduce the same layout on every worker.
-            local.add_stats(out.stats, 0.0)
-
-    def _recover_from_oom(self, ctx: StepContext, last: bool, err: BaseException, local: _Local) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            self._join_with_dummy(ctx, last, local)
-        except Exception as again:
-            # The other workers wait in DDP's all-reduce for this one: only a restart of the
-            # group (from the last checkpoint) ends that wait on every worker.
-            raise GroupBrokenError(
-                f"out of memory on worker {dist.rank()} at step {self.step}, and its zero-weight pass to join "
-                f"the gradient all-reduce failed too ({type(again).__name__}: {again}); the group restarts from "
-                "the last checkpoint. If this repeats, lower the micro-batch size"
-            ) from err
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _check_grad_sync(self, norms: list[float]) -> None:
-        """Raise on every worker when DDP left different gradients on different workers (fairseq's
-        ``_check_grad_norms``). The norms came through the all-reduce, so every worker decides alike."""
-        rtol = self.config.grad_sync.rtol
-        reference = statistics.median(norms)  # with three or more workers, the odd ones out
-        off = [r for r, n in enumerate(norms) if abs(n - reference) > rtol * max(norms)]
-        if off:
-            detail = ", ".join(f"worker {r}: {n:.10g}" for r, n in enumerate(norms))
-            raise GradSyncError(
-                f"gradients differ between workers after DDP synchronisation at step {self.step}: "
-                f"gradient norms {detail}; worker(s) {', '.join(map(str, off))} differ by more than "
-                f"grad_sync.rtol={rtol:g}. Parameters that DDP does not synchronise, or a custom comm hook "
-                "or wrapper that skips the all-reduce, let the workers drift apart; set grad_sync.check=false "
-                "only if that is intended"
-            )
 
     def _clip_and_normalise(self, grads: list[torch.Tensor], factor: float, grad_norm: float) -> None:
         clip = self.config.clip
@@ -540,176 +352,9 @@ class Engine:
             if self.sharded and self.world_size > 1:
                 # A parameter's norm spans every worker's shard: one all-reduce of the squares.
                 squares = torch.stack(norms).double().square().to(self._cdev)
-                norms = list(dist.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
+                norms = list(collectives.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
             coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
             torch._foreach_mul_(grads, coefs)
-
-    def _skip(self, decision: Decision, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> None:
-        """Drop the update on every worker, count it, and raise when a limit or policy says stop.
-        Every skip closes the loss scaler's step (``unscale_`` ran), so the next step can run."""
-        if decision is Decision.SKIP_EMPTY:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler.is_enabled():
-                self.scaler.update(self.scaler.get_scale())  # no data is no overflow: the scale stays
-            return
-        if decision is Decision.SKIP_OVERFLOW:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._overflow()
-            return
-        reason = decision.value
-        self.counts[reason] += 1
-        self._in_a_row[reason] += 1
-        # The error is worked out while the gradients are still there: the detector may name one.
-        error = self._oom_error() if decision is Decision.SKIP_OOM else self._nonfinite_error(micro_batches, local, ctx)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler.is_enabled():
-            self.scaler.update()
-        if error is not None:
-            raise error
-
-    def _overflow(self) -> None:
-        self.counts["overflow"] += 1
-        self.scaler.update()
-        scale = self.scaler.get_scale()
-        if scale < self.config.precision.min_scale:
-            raise LossScaleError(
-                f"fp16 loss scale fell to {scale:g}, below precision.min_scale={self.config.precision.min_scale:g}: "
-                "the loss or gradients are non-finite even at a tiny scale; try precision.dtype=bf16 or a lower lr"
-            )
-
-    def _oom_error(self) -> OOMError | None:
-        if self.config.oom.policy == "raise":
-            return OOMError(
-                f"out of memory in forward/backward at step {self.step} (oom.policy=raise); lower the "
-                "micro-batch size or set oom.policy=skip"
-            )
-        if self._in_a_row["oom"] < self.config.oom.max_consecutive:
-            return None
-        return OOMError(
-            f"out of memory on {self._in_a_row['oom']} updates in a row (oom.max_consecutive="
-            f"{self.config.oom.max_consecutive}); lower the micro-batch size or raise accum.steps"
-        )
-
-    def _nonfinite_error(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> NonFiniteError | None:
-        cfg = self.config.nonfinite
-        if cfg.policy == "stop":
-            return NonFiniteError(self._describe_nonfinite(micro_batches, local, ctx))
-        if self._in_a_row["nonfinite"] < cfg.max_consecutive:
-            return None
-        return NonFiniteError(
-            f"{self._in_a_row['nonfinite']} updates in a row had a non-finite loss or gradient "
-            f"(nonfinite.max_consecutive={cfg.max_consecutive}); " + self._describe_nonfinite(micro_batches, local, ctx)
-        )
-
-    def _describe_nonfinite(self, micro_batches: Sequence[Any], local: _Local, ctx: StepContext) -> str:
-        """Name the first module whose output was non-finite, agreed by all workers, and the loss
-        terms' means over all workers' micro-batches (one collective)."""
-        where = None
-        bad = [i for i, loss in local.losses if not bool(torch.isfinite(loss))]
-        if self.sharded and self.world_size > 1:
-            where = self._nonfinite_module_sharded(bad, micro_batches, ctx)
-        elif bad:
-            batch = to_device(micro_batches[bad[0]], self.device)
-            ctx.micro_index = bad[0]
-
-            def rerun():
-                with autocast(self.config.precision, self.device):
-                    return self.loss_fn(self.module, batch, ctx).loss
-
-            module = first_nonfinite_module(self.module, rerun)
-            where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-            where += f" on worker {dist.rank()}, micro-batch {bad[0]}"
-        terms = {k: float(v) for k, v in local.term_sums.items()}
-        reports = dist.all_gather_object((where, terms, len(local.losses)))
-        first = next((r for r, _, _ in reports if r), None)
-        if first is None:
-            param = self._first_nonfinite_grad()
-            first = f"the gradient of parameter '{param}'" if param else "an unknown place"
-        message = f"non-finite loss or gradient at step {self.step} (epoch {self.epoch}): first seen in {first}"
-        n = sum(count for _, _, count in reports)
-        names = sorted({k for _, t, _ in reports for k in t})
-        if names and n:
-            means = {k: sum(t.get(k, 0.0) for _, t, _ in reports) / n for k in names}
-            message += "; loss terms over all workers (unscaled means): " + ", ".join(
-                f"{k}={v:.6g}" for k, v in means.items()
-            )
-        return message
-
-    def _nonfinite_module_sharded(self, bad: list[int], micro_batches: Sequence[Any], ctx: StepContext) -> str | None:
-        """Under FSDP a forward gathers parameters from every worker, so all of them rerun the
-        same micro-batch index (the first worker's first bad one; their own batch, or the zero
-        weight one) and the workers whose loss there was non-finite name the module."""
-        firsts = dist.all_gather_object(bad[0] if bad else None)
-        index = next((i for i in firsts if i is not None), None)
-        if index is None:
-            return None
-        batch = micro_batches[index] if micro_batches[index] is not None else self._dummy
-        batch = to_device(batch, self.device)
-        ctx.micro_index = index
-
-        def rerun():
-            with autocast(self.config.precision, self.device):
-                return self.loss_fn(self.module, batch, ctx).loss
-
-        module = first_nonfinite_module(self.module, rerun)
-        if index not in bad:
-            return None
-        where = f"module '{module}'" if module else "the criterion (every module's output was finite)"
-        return where + f" on worker {dist.rank()}, micro-batch {index}"
-
-    def _first_nonfinite_grad(self) -> str | None:
-        """The first parameter (in the model's order) with a non-finite gradient; under FSDP the
-        first over all workers' shards."""
-        if not (self.sharded and self.world_size > 1):
-            return first_nonfinite_grad(self.module)
-        names = [n for n, _ in self.module.named_parameters()]
-        found = [n for n in dist.all_gather_object(first_nonfinite_grad(self.module)) if n is not None]
-        return min(found, key=names.index) if found else None
-
-    def _log_step(self, logs, reduced: Reduced, lr: float, compute: float, data_time: float) -> None:
-        m = self.meters
-        for values, weight in logs:
-            for name, v in values.items():
-                m.add(name, v, weight)
-        # Host numbers, already identical on every worker: weight by 1/world so the summed
-        # reduction gives back the value itself.
-        w = 1.0 / self.world_size
-        m.add("loss", reduced.loss, reduced.weight * w)
-        m.add("grad_norm", reduced.grad_norm, w)
-        m.add("lr", lr, w)
-        m.add("sample_size", reduced.sample_size, w)
-        # Units (tokens, for a token-level criterion) per second of step time over all workers
-        # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
-        busy = compute + data_time
-        m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
-        m.add("compute_time", compute)
-        m.add("data_time", data_time)
-        m.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
-
-    def reduce_metrics(self) -> dict[str, float]:
-        """Means over all workers since the last call, plus counters. Every worker must call it
-        at the same point (it runs collectives)."""
-        out = self.meters.reduce()
-        out.update(step=float(self.step), epoch=float(self.epoch))
-        out.update({k: float(v) for k, v in self.counts.items() if k != "micro_batches"})
-        if self.scaler.is_enabled():
-            out["loss_scale"] = self.scaler.get_scale()
-        return out
-
-    def flush_epoch_metrics(self) -> None:
-        """Reduce the epoch's metric sums so far over all workers, so that the state dict holds
-        them for every worker (before a checkpoint). Every worker must call it at the same point;
-        it runs a collective only when an update was applied since the last one (the step count
-        is the same on every worker, so they agree)."""
-        if self._meters_flushed_at != self.step:
-            self.meters.flush_epoch()
-            self._meters_flushed_at = self.step
-
-    def end_epoch_metrics(self) -> dict[str, float]:
-        """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
-        fresh epoch. Every worker must call it at the same point (one all-reduce)."""
-        self._meters_flushed_at = self.step
-        return self.meters.end_epoch()
 
     # ------------------------------------------------------------------ state
 
@@ -730,7 +375,7 @@ class Engine:
                 "step": self.step,
                 "epoch": self.epoch,
                 **{f"count_{k}": v for k, v in self.counts.items()},
-                **{f"in_a_row_{k}": v for k, v in self._in_a_row.items()},
+                **{f"in_a_row_{k}": v for k, v in self.in_a_row.items()},
             },
             "callbacks": dict(self.callback_state),
             "meters": self.meters.state_dict(),
@@ -779,9 +424,9 @@ class Engine:
         self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
         # Checkpoints written before these were saved resume with no skips in a row and no
         # callback state.
-        self._in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self._in_a_row}
+        self.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.in_a_row}
         self.callback_state = dict(state.get("callbacks") or {})
         self.meters.load_state_dict(state.get("meters") or {})  # older checkpoints: a fresh epoch
-        self._meters_flushed_at = self.step
+        self.meters.flushed_at = self.step
         if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
             set_rng_state(state["rng"])

@@ -12,8 +12,9 @@ import ray
 import ray.train
 
 from raytrain_loops import storage
-from raytrain_loops.engine import Engine, dist
+from raytrain_loops.engine import Engine
 from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.worker.restore import FailedElsewhere, agree, candidates, merged_candidates
 
@@ -188,7 +189,7 @@ class RayReporter:
             "refused": damaged and error.refused,
             "failed": error is not None and not damaged,
         }
-        everyone = dist.all_gather_object(mine)
+        everyone = collectives.all_gather_object(mine)
         if mine["failed"]:
             raise error
         if any(o["failed"] for o in everyone):

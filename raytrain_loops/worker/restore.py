@@ -11,7 +11,7 @@ from typing import Any
 from raytrain_loops import storage
 from raytrain_loops.driver.run_dir import checkpoint_dirs
 from raytrain_loops.engine import checkpoint as ckpt_files
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
 
 
 class FailedElsewhere(Exception):
@@ -21,7 +21,7 @@ class FailedElsewhere(Exception):
 
 def merged_candidates(paths: list[str]) -> list[str]:
     """Every worker's candidate paths, merged, newest first: the same list on every worker."""
-    everyone = dist.all_gather_object(list(paths))
+    everyone = collectives.all_gather_object(list(paths))
     merged = {p for listing in everyone for p in listing}
     return sorted(merged, key=lambda p: (ckpt_files.order_key(storage.name(p)), p), reverse=True)
 
@@ -55,7 +55,7 @@ def agree(loaded: dict[str, Any] | None, rank: int, failure: BaseException | Non
         "model_sha256": loaded["model_sha256"] if loaded else None,
         "error": f"{type(failure).__name__}: {failure}" if failure else None,
     }
-    everyone = dist.all_gather_object(mine)
+    everyone = collectives.all_gather_object(mine)
     if failure is not None:
         raise failure
     failed = {r: o["error"] for r, o in enumerate(everyone) if o["error"]}

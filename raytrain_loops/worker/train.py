@@ -31,7 +31,8 @@ from raytrain_loops.console.feed import Sender
 from raytrain_loops.driver.errors import Stopped
 from raytrain_loops.driver.run_dir import PRECISION_FILE
 from raytrain_loops.driver.stops import StopBoard
-from raytrain_loops.engine import Engine, dist, precision, sharding, unwrap
+from raytrain_loops.engine import Engine, precision, unwrap
+from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
@@ -113,8 +114,8 @@ def _prepare_model(
 
 
 def _any_worker(flag: bool) -> bool:
-    votes = torch.tensor([float(flag)], device=dist.collective_device())
-    return dist.all_reduce_sum(votes).item() > 0
+    votes = torch.tensor([float(flag)], device=collectives.collective_device())
+    return collectives.all_reduce_sum(votes).item() > 0
 
 
 def _announce_start(reporter, engine: Engine, config: Config, world: int, scale: float, sender: Sender, run_dir: str):

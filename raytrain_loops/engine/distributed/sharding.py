@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import CompileConfig
-from raytrain_loops.engine import dist
+from raytrain_loops.engine.distributed import collectives
 
 __all__ = ["apply_checkpointing", "compile_blocks", "is_sharded", "local", "lockstep", "prepare_model", "shard"]
 
@@ -113,9 +113,9 @@ def shard(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if not dist.is_distributed():
+    if not collectives.is_distributed():
         raise ValueError("scaling.strategy=fsdp needs a process group (one is started for every Ray worker)")
-    mesh = init_device_mesh(device.type, (dist.world_size(),))
+    mesh = init_device_mesh(device.type, (collectives.world_size(),))
     param_dtype = PARAM_DTYPES[dtype]
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype is torch.float32 else param_dtype, reduce_dtype=torch.float32
@@ -158,8 +158,8 @@ def lockstep(batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         batch = next(it, None)
         if first is None:
             first = batch
-        flags = torch.tensor([float(batch is not None), float(first is None)], device=dist.collective_device())
-        running, empty = dist.all_reduce_sum(flags).tolist()
+        flags = torch.tensor([float(batch is not None), float(first is None)], device=collectives.collective_device())
+        running, empty = collectives.all_reduce_sum(flags).tolist()
         if running == 0:
             return
         if empty:
