@@ -114,25 +114,8 @@ class RayReporter:
                 position = self._load_together(path, skipped)
                 if position is not None:
                     break
-            refused = [s for s in skipped if s["refused"]]
-            if position is None and refused:
-                # Whole files that weights_only refuses (a type in the saved state it does not
-                # allow): starting again would throw the run's progress away for a fixable cause.
-                raise ckpt_files.CheckpointError(
-                    f"no checkpoint of {self.run_dir} could be loaded, and {len(refused)} were refused by "
-                    f"torch.load(weights_only=True) rather than damaged; the newest: {refused[0]['reason']}"
-                )
-            if position is None and self._partial and not init_checkpoint:
-                raise ckpt_files.CheckpointError(
-                    f"no checkpoint of {self.run_dir} could be loaded, and the failed load of {self._partial} had "
-                    "already written part of its state into the model: it cannot start from the beginning"
-                )
-            if position is None and paths and self.rank == 0:
-                start = f"from {init_checkpoint}" if init_checkpoint else "from the beginning"
-                print(
-                    f"warning: no intact checkpoint in {self.run_dir} ({len(skipped)} damaged); starting {start}",
-                    flush=True,
-                )
+            if position is None:
+                self._no_intact_checkpoint(skipped, bool(paths), init_checkpoint)
             if position is None and init_checkpoint:
                 position = self._load_together(init_checkpoint, skipped)
                 if position is None:
@@ -152,6 +135,27 @@ class RayReporter:
             }
         agree(self.loaded, self.rank, failure)
         return position
+
+    def _no_intact_checkpoint(self, skipped: list[dict[str, str]], listed: bool, init_checkpoint: str | None) -> None:
+        """No checkpoint of the run could be loaded: raise where starting again would lose the
+        run's progress for a fixable cause, or the model already holds part of a failed load;
+        else warn (rank 0) and go on from ``init_checkpoint`` or the beginning."""
+        refused = [s for s in skipped if s["refused"]]
+        if refused:
+            # Whole files that weights_only refuses (a type in the saved state it does not
+            # allow): starting again would throw the run's progress away for a fixable cause.
+            raise ckpt_files.CheckpointError(
+                f"no checkpoint of {self.run_dir} could be loaded, and {len(refused)} were refused by "
+                f"torch.load(weights_only=True) rather than damaged; the newest: {refused[0]['reason']}"
+            )
+        if self._partial and not init_checkpoint:
+            raise ckpt_files.CheckpointError(
+                f"no checkpoint of {self.run_dir} could be loaded, and the failed load of {self._partial} had "
+                "already written part of its state into the model: it cannot start from the beginning"
+            )
+        if listed and self.rank == 0:
+            start = f"from {init_checkpoint}" if init_checkpoint else "from the beginning"
+            print(f"warning: no intact checkpoint in {self.run_dir} ({len(skipped)} damaged); starting {start}", flush=True)
 
     def _load_together(self, path: str, skipped: list[dict[str, str]]) -> Position | None:
         """Load ``path`` on every worker, or on none (None, and ``skipped`` says why): each worker
