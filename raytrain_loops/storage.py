@@ -116,16 +116,8 @@ def _fs(path: str):
 
 def read_text(path: str) -> str | None:
     """A small text file's contents from a local path or a URI; None if there is none."""
-    if is_uri(path):
-        if not exists(path):
-            return None
-        fs, p = _fs(path)
-        with fs.open_input_stream(p) as f:
-            return f.read().decode()
-    try:
-        return Path(path).read_text()
-    except FileNotFoundError:
-        return None
+    data = read_bytes(path)
+    return None if data is None else data.decode()
 
 
 def delete(path: str) -> None:

@@ -88,8 +88,9 @@ def _resolve_precision(payload: WorkerPayload, rank: int, sender: Sender) -> Con
             sender.send("start", f"precision: auto -> {dtype} ({reason})")
         elif dtype == "bf16" and hw.kind == "cpu" and not hw.native_bf16 and not payload.precision_warned:
             sender.send("start", precision.emulated_warning(hw))
-        record = {"requested": requested, "dtype": dtype, "reason": reason, "device": hw.name}
-        storage.write_text(record_path, json.dumps(record) + "\n")
+        if recorded is None:  # a dtype taken from the record keeps the record of its first start
+            record = {"requested": requested, "dtype": dtype, "reason": reason, "device": hw.name}
+            storage.write_text(record_path, json.dumps(record) + "\n")
     return dataclasses.replace(config, precision=dataclasses.replace(config.precision, dtype=dtype))
 
 
