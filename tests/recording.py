@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.tasks import DigitsTask, ParquetSplit
 from raytrain_loops.tasks.digits import write_digits_parquet
@@ -41,17 +42,35 @@ class RecordingDigits(DigitsTask):
 
     def collate(self, batch):
         x, y = super().collate(batch)
-        return (x, y, torch.tensor(batch["id"])) if "id" in batch else (x, y)
+        if "id" not in batch:
+            return x, y
+        # Which processes preprocessed the rows (PreprocessedDigits), and which one trains on them.
+        pids = sorted(set(batch["pre_pid"].tolist())) if "pre_pid" in batch else []
+        return x, y, torch.tensor(batch["id"]), {"pre_pids": pids, "pid": os.getpid()}
 
     def criterion(self, model, batch, ctx):
-        x, y, ids = batch
+        x, y, ids, pids = batch
         if ctx.measuring:  # the throughput callback's FLOP count: not a micro-batch of the run
             return super().criterion(model, (x, y), ctx)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        record = {"step": ctx.step + 1, "micro": ctx.micro_index, "epoch": ctx.epoch, "ids": ids.tolist()}
+        record = {"step": ctx.step + 1, "micro": ctx.micro_index, "epoch": ctx.epoch, "ids": ids.tolist(), **pids}
         with open(os.path.join(self.record_dir, f"ids.rank{rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         return super().criterion(model, (x, y), ctx)
+
+
+class PreprocessedDigits(RecordingDigits):
+    """Recording digits whose rows are preprocessed by Ray Data tasks: training images get noise
+    drawn from each row's seed (an augmentation), and every row notes the process that
+    preprocessed it (``pre_pid``)."""
+
+    def preprocess(self, batch, train):
+        images = np.stack(batch["image"]).astype(np.float32)
+        if train:
+            for i, seed in enumerate(batch[ROW_SEED]):
+                images[i] += np.random.default_rng(int(seed)).normal(0.0, 0.5, images.shape[1]).astype(np.float32)
+        out = {**{k: v for k, v in batch.items() if k != ROW_SEED}, "image": images}
+        return {**out, "pre_pid": np.full(len(images), os.getpid())}
 
 
 def counted_batches(record_dir: Path) -> dict[tuple[int, int, int], dict]:
@@ -61,7 +80,18 @@ def counted_batches(record_dir: Path) -> dict[tuple[int, int, int], dict]:
         rank = int(path.stem.removeprefix("ids.rank"))
         for line in path.read_text().splitlines():
             r = json.loads(line)
+            r.pop("pid"), r.pop("pre_pids")  # processes differ from run to run
             out[(rank, r["step"], r["micro"])] = r
+    return out
+
+
+def batch_processes(record_dir: Path) -> list[tuple[int, list[int]]]:
+    """Per recorded micro-batch: the training process, and the processes that preprocessed its rows."""
+    out = []
+    for path in sorted(record_dir.glob("ids.rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out.append((r["pid"], r["pre_pids"]))
     return out
 
 

@@ -17,16 +17,16 @@ from raytrain_loops.driver.errors import TrainingStopped
 from raytrain_loops.driver.tracking import RUN_ID_FILE
 from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.recipes import resolve
-from tests.recording import counted_batches
+from tests.recording import batch_processes, counted_batches
 from tests.runfiles import records, tb_scalars
 
 pytestmark = pytest.mark.ray
 
 
-def _overrides(tmp_path: Path, name: str, record: Path, *extra: str) -> list[str]:
+def _overrides(tmp_path: Path, name: str, record: Path, *extra: str, task: str = "RecordingDigits") -> list[str]:
     record.mkdir(parents=True, exist_ok=True)
     return [
-        "task.name=tests.recording:RecordingDigits",
+        f"task.name=tests.recording:{task}",
         f"task.params={{record_dir: {record}, width: 16}}",
         f"data.dir={tmp_path / 'data'}",
         f"run.storage_path={tmp_path / 'runs'}",
@@ -72,7 +72,8 @@ def _assert_same(a, b, where="state"):
 
 def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sample_once(ray_session, tmp_path):
     """A run whose worker 1 is killed after step 15 and whose worker 0 raises after step 27 ends
-    as the run without faults does, and its three attempts log to one MLflow run."""
+    as the run without faults does, and its three attempts log to one MLflow run. Its rows are
+    preprocessed (with a random augmentation) by Ray Data tasks, not by the training workers."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # Both runs track (a callback's state is in the checkpoint compared below) and evaluate. The
     # restarts resume from checkpoints 12 and 24 and replay steps 13-15 and 25-27, where the ended
@@ -83,11 +84,12 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
         "eval.every_steps=13",
         f"logging.mlflow.tracking_uri={store}",
     ]
-    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", *common))
+    task = "PreprocessedDigits"
+    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", *common, task=task))
     plan = "fault.plan=[{step: 15, rank: 1, kind: kill}, {step: 27, rank: 0, kind: raise}]"
     faulty = fit(
         resolve("default"),
-        overrides=_overrides(tmp_path, "faulty", tmp_path / "rec-faulty", *common, plan, "run.max_failures=2"),
+        overrides=_overrides(tmp_path, "faulty", tmp_path / "rec-faulty", *common, plan, "run.max_failures=2", task=task),
     )
     # Both faults fired (once each) and the run still finished.
     assert sorted(p.name for p in (Path(faulty.run_dir) / "faults").iterdir()) == ["0.fired", "1.fired"]
@@ -114,6 +116,10 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
 
     used, reference = counted_batches(tmp_path / "rec-faulty"), counted_batches(tmp_path / "rec-clean")
     assert used == reference  # the same rows in every micro-batch of every step
+    # Preprocessed by Ray Data tasks: never in the process that trains on the rows.
+    processes = batch_processes(tmp_path / "rec-faulty")
+    assert len(processes) >= 36 * 2 * 2
+    assert all(pre and pid not in pre for pid, pre in processes)
     per_epoch: dict[int, Counter] = {}
     for record in used.values():
         per_epoch.setdefault(record["epoch"], Counter()).update(record["ids"])

@@ -295,24 +295,6 @@ def test_missing_parquet_file_or_column_is_named_before_ray_starts(tmp_path, mon
         fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(table), ["image", "target"]))
 
 
-def test_the_trainer_shards_parquet_splits_in_order_and_regardless_of_where_workers_run(tmp_path):
-    # Building the trainer starts no Ray (the task's splits are map-style): what it would hand
-    # Ray Train is checked as built. Shard locality would let the node a worker was scheduled on
-    # decide which rows it gets.
-    from examples.custom_task import SpiralTask
-    from raytrain_loops.config import load_config
-    from raytrain_loops.driver.stops import StopBoard
-    from raytrain_loops.driver.trainer import build_trainer
-
-    task = SpiralTask()
-    config = load_config(None, [f"run.storage_path={tmp_path}"])
-    run_dir = str(tmp_path / "shards")
-    board = StopBoard.new(run_dir, config.scaling.num_workers)
-    trainer = build_trainer(config, task, task.splits(tmp_path), {"train": 2048}, "shards", run_dir, board=board)
-    assert trainer.data_config._enable_shard_locality is False
-    assert trainer.data_config._resolve_execution_options("train").preserve_order is True
-
-
 @pytest.mark.ray
 def test_a_users_own_task_trains_through_the_python_api_and_its_run_name_continues_mid_epoch(ray_session, tmp_path):
     from examples.custom_task import CONFIG, SpiralTask

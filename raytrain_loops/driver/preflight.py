@@ -42,8 +42,11 @@ def run_name(config: Config, task: Task) -> str:
 
 
 def check_parquet(split_name: str, split: ParquetSplit) -> int:
-    """Check that the Parquet data exists and has the task's columns; return its row count."""
+    """Check that the Parquet data exists and has the task's columns, and index its row groups
+    into ``split.index`` (:func:`~raytrain_loops.data.parquet.index_split`); return its row count."""
     import pyarrow.dataset as pads
+
+    from raytrain_loops.data.parquet import ROW_SEED, index_split
 
     path = split.path if storage.is_uri(split.path) else os.path.abspath(os.path.expanduser(split.path))
     split.path = path  # workers run in another directory
@@ -61,8 +64,13 @@ def check_parquet(split_name: str, split: ParquetSplit) -> int:
         raise DataError(
             f"split '{split_name}': column '{missing[0]}' not found in {ds.files[0]} (columns there: {', '.join(sorted(names))})"
         )
-    return ds.count_rows()
-
+    if ROW_SEED in split.columns:
+        raise DataError(f"split '{split_name}': column '{ROW_SEED}' is the name preprocess's row seeds take; rename it")
+    try:
+        split.index = index_split(path, split.columns)
+    except Exception as err:
+        raise DataError(f"split '{split_name}': cannot read the Parquet footers under {path}: {err}") from None
+    return split.index.rows
 
 
 def check_blocks(config: Config, task: Task) -> None:

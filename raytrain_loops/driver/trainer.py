@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import ray.data
+import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -62,37 +62,44 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
     )
 
 
-def data_config() -> ray.train.DataConfig:
-    """How Parquet splits are sharded: equal shares whatever node each worker runs on.
-
-    With shard locality on, Ray Data would hand a block to the worker on the node holding it,
-    so the rows a worker gets would follow where the workers happened to be scheduled, and a
-    restarted group placed differently would resume on other rows. Ray 2.60 already ignores
-    locality under ``preserve_order`` (set below); this keeps the guarantee explicit.
-    """
-    return ray.train.DataConfig(enable_shard_locality=False)
-
-
 MATERIALIZE_BELOW_BYTES = 1 << 30
 
 
-def parquet_dataset(split: ParquetSplit, config: Config) -> ray.data.Dataset:
-    """A Ray Data dataset over the split's columns.
+def hold_in_memory(split: ParquetSplit, config: Config) -> bool:
+    """Whether the split's columns are read once on the driver into Ray's object store, from which
+    every worker slices its rows instead of reading the files every epoch: ``data.materialize``
+    ``always``, or ``auto`` and the files under 1 GiB. Either way the rows and their order are
+    the same (the plan is defined on the files' row groups)."""
+    mode = config.data.materialize
+    if mode != "auto":
+        return mode == "always"
+    index = split.index
+    size = sum(index.filesystem.get_file_info(f).size or 0 for f in index.files)
+    return size < MATERIALIZE_BELOW_BYTES
 
-    Small data (under 1 GiB with ``data.materialize=auto``) is read once on the driver with
-    pyarrow and put in Ray's object store: no read tasks to schedule, and no re-reading of the
-    files every epoch. Larger data streams from the files (``always`` materializes it first).
-    """
+
+def place_parquet(splits: dict[str, Any], config: Config) -> None:
+    """Put the Parquet splits held in memory (:func:`hold_in_memory`) in Ray's object store;
+    warn, naming the file, when a streamed split's row groups are so large that every chunk read
+    decodes a row group many times its size."""
     import pyarrow.dataset as pads
 
-    mode = config.data.materialize
-    if mode != "never":
-        files = pads.dataset(split.path, format="parquet")
-        size = sum(files.filesystem.get_file_info(f).size or 0 for f in files.files)
-        if size < MATERIALIZE_BELOW_BYTES:
-            return ray.data.from_arrow(files.to_table(columns=split.columns))
-    ds = ray.data.read_parquet(split.path).select_columns(split.columns)
-    return ds.materialize() if mode == "always" else ds
+    for name, split in splits.items():
+        if not isinstance(split, ParquetSplit) or split.index.table is not None:
+            continue
+        if hold_in_memory(split, config):
+            table = pads.dataset(split.path, format="parquet").to_table(columns=split.columns)
+            split.index.table = ray.put(table)
+            continue
+        largest, chunk = split.index.largest_group(), config.data.shuffle_chunk_rows
+        if name == "train" and largest > 8 * chunk:
+            print(
+                f"warning: split '{name}' ({split.path}) has row groups of up to {largest} rows; each chunk of "
+                f"data.shuffle_chunk_rows={chunk} rows reads a whole row group. Write the files with row groups "
+                f"of about {chunk} rows (pyarrow.parquet.write_table(..., row_group_size={chunk})) or raise "
+                "data.shuffle_chunk_rows.",
+                flush=True,
+            )
 
 
 def build_trainer(
@@ -110,21 +117,14 @@ def build_trainer(
     tracking: TrackedRun | None = None,
     precision_warned: bool = False,
 ) -> TorchTrainer:
-    """The trainer for one run. Parquet splits become Ray Data datasets sharded per worker.
+    """The trainer for one run. Parquet splits are read by each worker in the epoch's order
+    (:mod:`raytrain_loops.data.parquet`); those held in memory are put in Ray's object store here.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
     is where its workers post a stop (read it back with :func:`~raytrain_loops.driver.stops.fit_or_stop`);
     ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout);
     ``tracking``, the MLflow run rank 0 logs to; ``precision_warned``, that the driver warned of an
     emulated bf16 (rank 0 warns otherwise)."""
-    datasets = {
-        split_name: parquet_dataset(split, config)
-        for split_name, split in splits.items()
-        if isinstance(split, ParquetSplit)
-    }
-    # Every worker's shard in the same order on every run: with the seeded shuffle in the worker,
-    # an epoch's batches depend on the seed only, which an exact mid-epoch resume needs. Ray Train
-    # copies the driver's DataContext when the trainer is built.
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    place_parquet(splits, config)
     payload = WorkerPayload(
         config, task, splits, rows, run_dir, board, init_checkpoint, console, tracking, precision_warned
     )
@@ -133,6 +133,4 @@ def build_trainer(
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
         scaling_config=scaling_config(config),
         run_config=run_config(config, name, callbacks),
-        datasets=datasets or None,
-        dataset_config=data_config(),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task
+from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task, has_preprocess
 
 # name -> (module, class) of the built-in tasks.
 BUILTIN_PATHS = {
@@ -51,4 +51,5 @@ __all__ = [
     "Task",
     "build_task",
     "builtin",
+    "has_preprocess",
 ]

@@ -29,6 +29,8 @@ class ParquetSplit:
 
     path: str
     columns: list[str]
+    index: Any = None
+    """Its :class:`~raytrain_loops.data.parquet.SplitIndex`, set on the driver before training."""
 
 
 @dataclass
@@ -69,6 +71,18 @@ class Task:
 
     def build_model(self) -> nn.Module:
         raise NotImplementedError
+
+    def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+        """Per-row work on Parquet rows before they reach the worker (decode, augment, tokenize):
+        runs in Ray Data tasks on the cluster's CPUs (``data.preprocess``), not on the training
+        worker; ``train``: a batch of the train split (augment) or of the eval split (do not).
+        Column name -> NumPy array in, the same out, **one row out per row in** (positions and the
+        run's length count input rows). ``batch["_row_seed"]``
+        (:data:`~raytrain_loops.data.parquet.ROW_SEED`) holds each row's seed (``uint64``), the
+        same for the same row in the same epoch whatever the group size or a resume: draw random
+        augmentation from ``np.random.default_rng(seed)`` per row. Not overridden: rows go
+        straight from pyarrow to :meth:`collate` and nothing is paid for it."""
+        return batch
 
     def collate(self, batch: dict[str, np.ndarray]) -> Any:
         """Turn a Parquet batch (column name -> NumPy array) into what the criterion takes."""
@@ -115,6 +129,11 @@ class Task:
         keyword ``metrics`` and updates them batch by batch; after the split each is computed
         over all workers' batches (a dict result adds its keys, a scalar its name)."""
         return {}
+
+
+def has_preprocess(task: Task) -> bool:
+    """Whether ``task`` overrides :meth:`Task.preprocess`."""
+    return type(task).preprocess is not Task.preprocess
 
 
 def params_at_least(*checks: tuple[str, float, float]) -> None:

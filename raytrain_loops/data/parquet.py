@@ -1,0 +1,347 @@
+"""Parquet splits read in the epoch's order, without Ray: which rows each worker reads, in what
+order, and how.
+
+An epoch's order is a function of (``loop.seed``, epoch, group size) over the whole split, defined
+on the split's files, row groups and row offsets (never on Ray Data's blocks, whose boundaries
+are not stable):
+
+1. the split is cut into *chunks*: every row group into pieces of at most ``data.shuffle_chunk_rows``
+   rows, in storage order;
+2. the chunks are dealt out with a generator seeded by (seed, epoch) (:func:`deal`): of every
+   ``world`` neighbouring chunks each worker gets one, at random, and takes its chunks in random
+   order. A new order of the whole split every epoch, the same on every run; a worker reads
+   ``1 / world`` of the chunks, from every region of the split, and a different set every epoch;
+3. the dealt rows are cut into equal contiguous shares, worker ``r`` taking rows
+   ``[r * share, (r + 1) * share)`` (the remainder is dropped, as
+   :func:`~raytrain_loops.engine.length.batches_per_epoch` counts);
+4. the share is read in *windows* of about ``data.shuffle_buffer`` rows (whole chunks), whose
+   rows are permuted by a generator seeded by (seed, epoch, world, rank, window): neighbouring
+   rows of the files end up in different batches.
+
+A position in the epoch is a row offset in the worker's share, so a resumed epoch opens the
+window holding it and reads nothing before that window (the window's own rows before the
+position are read again: its order is a permutation of all of them). Evaluation splits are read in storage
+order, each worker taking ``rows * r // world`` to ``rows * (r + 1) // world``.
+
+Random draws of :meth:`Task.preprocess <raytrain_loops.tasks.Task.preprocess>` take their seeds
+from :data:`ROW_SEED`: one per row, a hash of (seed, epoch, file, row group, offset), so the same
+row gets the same augmentation in an epoch whatever the group size or a resume.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ROW_SEED = "_row_seed"
+"""The batch key under which :meth:`Task.preprocess` finds each row's seed (``uint64``)."""
+
+# Columns of the arrays that describe pieces: rows [start, stop) of a row group of a file.
+FILE, GROUP, START, STOP = range(4)
+
+
+@dataclass
+class SplitIndex:
+    """Where a Parquet split's rows are: its files (in the dataset's order) on ``filesystem``,
+    the rows of each row group, and the columns a task reads. Built from the files' footers
+    (:func:`index_split`); small enough to send to every worker."""
+
+    path: str
+    filesystem: Any
+    files: list[str]
+    row_groups: list[list[int]]
+    columns: list[str]
+    table: Any = field(default=None, repr=False)
+    """The split's columns held in memory (a ``pyarrow.Table`` or a Ray object reference to one),
+    read instead of the files when set."""
+
+    @property
+    def rows(self) -> int:
+        return int(sum(sum(groups) for groups in self.row_groups))
+
+    def group_offsets(self) -> dict[tuple[int, int], int]:
+        """The first row of every (file, row group) in the split's storage order."""
+        offsets, at = {}, 0
+        for f, groups in enumerate(self.row_groups):
+            for g, n in enumerate(groups):
+                offsets[(f, g)] = at
+                at += n
+        return offsets
+
+    def largest_group(self) -> int:
+        return max((n for groups in self.row_groups for n in groups), default=0)
+
+
+def index_split(path: str, columns: list[str]) -> SplitIndex:
+    """The :class:`SplitIndex` of the Parquet file or directory (or URI) ``path``."""
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset(path, format="parquet")
+    groups = []
+    for fragment in ds.get_fragments():
+        meta = fragment.metadata
+        groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+    return SplitIndex(path, ds.filesystem, list(ds.files), groups, list(columns))
+
+
+def chunks(index: SplitIndex, chunk_rows: int) -> np.ndarray:
+    """The split cut into pieces of at most ``chunk_rows`` rows of one row group, in storage
+    order: an ``(n, 4)`` array of (file, row group, start, stop)."""
+    parts = []
+    for f, groups in enumerate(index.row_groups):
+        for g, n in enumerate(groups):
+            starts = np.arange(0, n, chunk_rows, dtype=np.int64)
+            stops = np.minimum(starts + chunk_rows, n)
+            parts.append(np.stack([np.full_like(starts, f), np.full_like(starts, g), starts, stops], axis=1))
+    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
+
+
+def cut(pieces: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The pieces covering rows ``[lo, hi)`` of the rows ``pieces`` hold, in order, the first
+    and last trimmed."""
+    lengths = pieces[:, STOP] - pieces[:, START]
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    keep = (ends > lo) & (begins < hi)
+    out = pieces[keep].copy()
+    if len(out):
+        out[:, START] += np.maximum(lo - begins[keep], 0)
+        out[:, STOP] -= np.maximum(ends[keep] - hi, 0)
+    return out
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([k % 2**63 for k in key]))
+
+
+@dataclass
+class WorkerPlan:
+    """One worker's rows of one epoch: ``pieces`` in reading order, read in windows of whole
+    pieces (a window starts at the first piece that begins past a multiple of ``window`` rows);
+    with ``key`` (seed, epoch, world, rank) each window's rows are permuted."""
+
+    pieces: np.ndarray
+    window: int
+    key: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        lengths = self.pieces[:, STOP] - self.pieces[:, START]
+        begins = np.cumsum(lengths) - lengths
+        ids = begins // self.window
+        # Piece index where each window starts, and the row where it starts; then the ends.
+        firsts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else np.zeros(0, dtype=np.int64)
+        self._bounds = np.r_[firsts, len(ids)]
+        self._starts = np.r_[begins[firsts], lengths.sum()] if len(ids) else np.zeros(1, dtype=np.int64)
+
+    @property
+    def rows(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def windows(self) -> int:
+        return len(self._bounds) - 1
+
+    def window_pieces(self, w: int) -> np.ndarray:
+        return self.pieces[self._bounds[w] : self._bounds[w + 1]]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """The window holding row ``row`` of the share, and the row's offset in it (past the end:
+        ``(windows, 0)``)."""
+        if row >= self.rows:
+            return self.windows, 0
+        w = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return w, row - int(self._starts[w])
+
+    def order(self, w: int, n: int) -> np.ndarray | None:
+        """The permutation of window ``w``'s ``n`` rows (None: storage order)."""
+        return None if self.key is None else _rng(*self.key, w).permutation(n)
+
+
+# Rows per window when the train split is not shuffled (data.shuffle_buffer=0) and for evaluation.
+READ_ROWS = 4096
+
+
+def deal(count: int, world: int, rng: np.random.Generator) -> np.ndarray:
+    """A seeded order of ``count`` chunks, stratified over the group: each run of ``world``
+    neighbouring chunks (in storage order) gives one chunk to each worker's part, the parts
+    follow one another, and each part is in random order. A worker so draws from every region of
+    the split, whatever order it is stored in (by class, source or time), and its chunks differ
+    from one epoch to the next (each is its own with probability ``1 / world``)."""
+    owner = np.empty(count, dtype=np.int64)
+    full = count // world * world
+    owner[:full] = np.argsort(rng.random((count // world, world)), axis=1).ravel()
+    owner[full:] = rng.permutation(world)[: count - full]
+    return np.concatenate([rng.permutation(np.flatnonzero(owner == r)) for r in range(world)])
+
+
+def train_plan(
+    index: SplitIndex, seed: int, epoch: int, world: int, rank: int, chunk_rows: int, buffer: int
+) -> WorkerPlan:
+    """Worker ``rank``'s share of the training split in ``epoch``: the split's chunks dealt out
+    by (seed, epoch) (:func:`deal`), the dealt order cut into ``world`` equal shares (the
+    remainder dropped); windows of about ``buffer`` rows permuted (``buffer`` 0: storage order,
+    no shuffle at all)."""
+    pieces = chunks(index, chunk_rows)
+    if buffer:
+        pieces = pieces[deal(len(pieces), world, _rng(seed, epoch))]
+    share = index.rows // world
+    mine = cut(pieces, rank * share, (rank + 1) * share)
+    return WorkerPlan(mine, buffer or READ_ROWS, (seed, epoch, world, rank) if buffer else None)
+
+
+def eval_plan(index: SplitIndex, world: int, rank: int) -> WorkerPlan:
+    """Worker ``rank``'s part of an evaluation split: rows ``rows * rank // world`` to
+    ``rows * (rank + 1) // world`` in storage order (every row evaluated once)."""
+    pieces = chunks(index, READ_ROWS)
+    n = index.rows
+    return WorkerPlan(cut(pieces, n * rank // world, n * (rank + 1) // world), READ_ROWS, None)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def row_seeds(seed: int, epoch: int, pieces: np.ndarray) -> np.ndarray:
+    """One ``uint64`` seed per row of ``pieces`` (in their order), a hash of (seed, epoch, file,
+    row group, row offset): the row's own, whichever worker reads it and from where."""
+    lengths = pieces[:, STOP] - pieces[:, START]
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    offsets += np.repeat(pieces[:, START], lengths)
+    h = _mix(np.full(len(offsets), seed % 2**64, dtype=np.uint64))
+    for part in (
+        np.full(len(offsets), epoch, dtype=np.int64),
+        np.repeat(pieces[:, FILE], lengths),
+        np.repeat(pieces[:, GROUP], lengths),
+        offsets,
+    ):
+        h = _mix(h ^ part.astype(np.uint64))
+    return h
+
+
+class Reader:
+    """Reads pieces of a split with pyarrow, each row group at most once per call, from the files
+    or from ``index.table`` when the split is held in memory. ``rows_read`` counts the rows
+    pyarrow decoded from the files (whole row groups)."""
+
+    def __init__(self, index: SplitIndex):
+        self.index = index
+        self.rows_read = 0
+        self._files: dict[int, Any] = {}
+        self._table = None
+        self._offsets: dict[tuple[int, int], int] = {}
+        if index.table is not None:
+            table = index.table
+            if not hasattr(table, "slice"):  # a Ray object reference
+                import ray
+
+                table = ray.get(table)
+            self._table, self._offsets = table, index.group_offsets()
+
+    def _group(self, f: int, g: int) -> Any:
+        if self._table is not None:
+            return self._table.slice(self._offsets[(f, g)], self.index.row_groups[f][g])
+        import pyarrow.parquet as pq
+
+        if f not in self._files:
+            if len(self._files) >= 8:
+                self._files.pop(next(iter(self._files))).close()
+            path = self.index.files[f]
+            self._files[f] = pq.ParquetFile(self.index.filesystem.open_input_file(path))
+        group = self._files[f].read_row_group(g, columns=self.index.columns)
+        self.rows_read += group.num_rows
+        return group
+
+    def read(self, pieces: np.ndarray) -> Any:
+        """The rows of ``pieces`` as one ``pyarrow.Table``, in the pieces' order."""
+        import pyarrow as pa
+
+        groups: dict[tuple[int, int], Any] = {}
+        parts = []
+        for f, g, start, stop in pieces.tolist():
+            if (f, g) not in groups:
+                groups[(f, g)] = self._group(f, g)
+            parts.append(groups[(f, g)].slice(start, stop - start))
+        if not parts:
+            return pa.table({c: [] for c in self.index.columns})
+        return pa.concat_tables(parts).combine_chunks()
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+
+def to_numpy(table: Any) -> dict[str, np.ndarray]:
+    """A ``pyarrow.Table`` as column name -> NumPy array (lists and binaries: object arrays)."""
+    return {name: table.column(name).to_numpy() for name in table.column_names}
+
+
+def read_window(
+    reader: Reader, plan: WorkerPlan, w: int, skip: int = 0, seeds: tuple[int, int] | None = None
+) -> dict[str, np.ndarray]:
+    """Window ``w`` of ``plan`` in its order, leaving out its first ``skip`` rows; with
+    ``seeds`` (seed, epoch), the rows' :data:`ROW_SEED` column too."""
+    pieces = plan.window_pieces(w)
+    table = reader.read(pieces)
+    order = plan.order(w, table.num_rows)
+    batch = to_numpy(table.take(order[skip:]) if order is not None else table.slice(skip))
+    if seeds is not None:
+        own = row_seeds(*seeds, pieces)
+        batch[ROW_SEED] = own[order[skip:]] if order is not None else own[skip:]
+    return batch
+
+
+def windows_from(
+    reader: Reader, plan: WorkerPlan, start_row: int, seeds: tuple[int, int] | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """The plan's rows from row ``start_row`` of the share on, a window at a time: a resumed
+    epoch reads nothing before the window holding its position."""
+    first, skip = plan.locate(start_row)
+    for w in range(first, plan.windows):
+        yield read_window(reader, plan, w, skip if w == first else 0, seeds)
+
+
+def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
+    """``items`` produced on a background thread, at most ``depth`` ahead (0: in the caller's
+    thread). pyarrow reads and decodes without holding the GIL, so the step runs meanwhile. An
+    error in the thread is raised in the caller."""
+    if depth <= 0:
+        yield from items
+        return
+    done = object()
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def fill() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put(item)
+            q.put(done)
+        except BaseException as err:  # handed to the consumer, raised there
+            q.put(err)
+
+    thread = threading.Thread(target=fill, name="parquet-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
