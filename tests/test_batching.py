@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from raytrain_loops.worker.batches import sliced
+from raytrain_loops.data.parquet import sliced
 
 
 def _fetched(sizes):

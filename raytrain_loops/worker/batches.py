@@ -22,30 +22,12 @@ from raytrain_loops.data.parquet import (
     eval_plan,
     prefetched,
     read_window,
+    sliced,
     train_plan,
     windows_from,
 )
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
-
-
-def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: bool) -> Iterable[Any]:
-    """Cut NumPy batches into batches of ``size`` rows, each passed through ``collate``; rows
-    left over at the end of one fetched batch are joined with the next."""
-    rest: dict[str, Any] | None = None
-    for batch in fetched:
-        if rest is not None:
-            batch = {k: np.concatenate([rest[k], v]) for k, v in batch.items()}
-            rest = None
-        n = len(next(iter(batch.values())))
-        start = 0
-        while n - start >= size:
-            yield collate({k: v[start : start + size] for k, v in batch.items()})
-            start += size
-        if start < n:
-            rest = {k: v[start:] for k, v in batch.items()}
-    if rest is not None and not drop_last:
-        yield collate(rest)
 
 
 class RayBatches:
