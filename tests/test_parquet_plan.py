@@ -165,3 +165,57 @@ def test_a_read_error_on_the_prefetch_thread_is_raised_in_the_caller():
     assert next(got) == 1
     with pytest.raises(OSError, match="disk gone"):
         next(got)
+
+
+def test_a_file_gone_or_damaged_mid_run_is_an_error_naming_it(tmp_path):
+    index = sorted_split(tmp_path / "split", rows=1000, row_group_size=100, files=2)
+    victim = sorted(p for p in (tmp_path / "split").iterdir())[1]
+    victim.write_bytes(victim.read_bytes()[:200] + b"\0" * 100)  # damaged after the driver indexed it
+    plan = train_plan(index, 0, 0, 1, 0, 128, 1000)
+    with pytest.raises(OSError, match=f"of {victim}"):
+        list(windows_from(Reader(index), plan, 0))
+
+
+class _Doubling:
+    def preprocess(self, batch, train):
+        return {k: np.concatenate([v, v]) for k, v in batch.items()}
+
+
+class _Noisy:
+    def preprocess(self, batch, train):
+        noise = [np.random.default_rng(int(s)).normal() if train else 0.0 for s in batch[ROW_SEED]]
+        return {"id": batch["id"], "x": np.asarray(noise)}
+
+
+def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when_it_does_not(split):
+    from raytrain_loops.worker.batches import _read_and_preprocess
+
+    plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
+    kwargs = {"index": split, "plan": plan, "first": 3, "skip": 10, "seeds": (0, 2), "rows": 300, "train": True}
+    with pytest.raises(ValueError, match=r"_Doubling.preprocess must map each row to one row: 300 rows in"):
+        list(_read_and_preprocess({"id": np.array([0])}, task=_Doubling(), **kwargs))
+    out = list(_read_and_preprocess({"id": np.array([0, 1])}, task=_Noisy(), **kwargs))
+    assert [len(o["id"]) for o in out][:4] == [300, 300, 300, len(out[3]["id"])]
+    assert all(ROW_SEED not in o for o in out)  # the seeds do not travel on to the worker
+    ids = np.concatenate([o["id"] for o in out])
+    expected = [read_window(Reader(split), plan, w, 10 if w == 3 else 0, (0, 2)) for w in (3, 4)]
+    assert np.array_equal(ids, np.concatenate([e["id"] for e in expected]))
+    seeds = np.concatenate([e[ROW_SEED] for e in expected])
+    noise = np.concatenate([o["x"] for o in out])
+    assert np.array_equal(noise, [np.random.default_rng(int(s)).normal() for s in seeds])
+
+
+def test_a_streamed_split_with_large_row_groups_gets_a_warning_naming_it(split, capsys):
+    from raytrain_loops.config import load_config
+    from raytrain_loops.driver.trainer import hold_in_memory, place_parquet
+    from raytrain_loops.tasks import ParquetSplit
+
+    parquet = ParquetSplit(split.path, split.columns, index=split)
+    config = load_config(None, ["data.materialize=never"])
+    assert not hold_in_memory(parquet, config)
+    assert hold_in_memory(parquet, load_config(None, ["data.materialize=always"]))
+    assert hold_in_memory(parquet, load_config(None, []))  # auto: well under 1 GiB
+    place_parquet({"train": parquet}, config)
+    out = capsys.readouterr().out
+    assert f"split 'train' ({split.path}) has row groups of up to {ROWS} rows" in out
+    assert "row_group_size=128" in out and parquet.index.table is None  # streamed: nothing held

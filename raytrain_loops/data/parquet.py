@@ -251,14 +251,17 @@ class Reader:
             return self._table.slice(self._offsets[(f, g)], self.index.row_groups[f][g])
         import pyarrow.parquet as pq
 
-        if f not in self._files:
-            if len(self._files) >= 8:
-                self._files.pop(next(iter(self._files))).close()
-            path = self.index.files[f]
-            self._files[f] = pq.ParquetFile(self.index.filesystem.open_input_file(path))
-        # One thread: the read-ahead thread already overlaps it with the step, and Arrow's pool
-        # would take CPUs from the step's own threads.
-        group = self._files[f].read_row_group(g, columns=self.index.columns, use_threads=False)
+        path = self.index.files[f]
+        try:
+            if f not in self._files:
+                if len(self._files) >= 8:
+                    self._files.pop(next(iter(self._files))).close()
+                self._files[f] = pq.ParquetFile(self.index.filesystem.open_input_file(path))
+            # One thread: the read-ahead thread already overlaps it with the step, and Arrow's
+            # pool would take CPUs from the step's own threads.
+            group = self._files[f].read_row_group(g, columns=self.index.columns, use_threads=False)
+        except Exception as err:  # pyarrow's errors do not always say which file
+            raise OSError(f"reading row group {g} of {path}: {err}") from err
         self.rows_read += group.num_rows
         return group
 
