@@ -138,6 +138,6 @@ def preprocessed(
             "train": train,
         },
         num_cpus=p.num_cpus,
-        concurrency=p.concurrency or None,
+        compute=ray.data.TaskPoolStrategy(size=p.concurrency or None),
     )
     return ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=data.prefetch_batches)
