@@ -133,6 +133,12 @@ def test_a_resumed_epoch_reads_only_the_rows_left_and_continues_with_the_same_ro
     windows_read = -(-len(full) // buffer) - start // buffer
     assert read <= left + consumed_in_window + 2 * 128 * windows_read, (read, left)
     assert read < 0.25 * read_all
+    # Without the row-level shuffle (data.shuffle_buffer=0) nothing before the position is read:
+    # the rows left and the rest of the row group holding the position.
+    full, _, _ = share(index, 0, 2, 0, buffer=0)
+    rest, _, read = share(index, 0, 2, 0, buffer=0, start=start)
+    assert np.array_equal(rest, full[start:])
+    assert read <= len(full) - start + 128, read
 
 
 def test_row_seeds_follow_the_row_not_the_worker_or_the_epochs_position(split):

@@ -293,6 +293,9 @@ def read_window(
     """Window ``w`` of ``plan`` in its order, leaving out its first ``skip`` rows; with
     ``seeds`` (seed, epoch), the rows' :data:`ROW_SEED` column too."""
     pieces = plan.window_pieces(w)
+    if plan.key is None:  # storage order: the rows before the position are not read at all
+        pieces = cut(pieces, skip, plan.window + plan.rows)
+        skip = 0
     batch = reader.read(pieces)
     if seeds is not None:
         batch[ROW_SEED] = row_seeds(*seeds, pieces)
