@@ -155,6 +155,9 @@ class ScalingConfig:
     use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
     cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
+    object_store_gb: float = opt(
+        0.0, "Object store of the local Ray instance a run starts, in GB; 0: Ray's default. Not used when joining a cluster."
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = opt(
         "PACK", "How workers are placed on nodes (Ray placement-group strategy); STRICT_SPREAD: one per node."
     )
@@ -175,7 +178,7 @@ class ScalingConfig:
         if self.resize_interval_s <= 0:
             raise ConfigError("resize_interval_s", f"must be > 0; got {self.resize_interval_s}")
         at_least(self, 0, "cpus_per_worker")
-        at_least(self, 0, "threads_per_worker")
+        at_least(self, 0, "threads_per_worker", "object_store_gb")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -29,7 +29,8 @@ def ensure_ray(config: Config, num_cpus: float = 0) -> None:
         return
     s = config.scaling
     needed = max(num_cpus, s.num_workers * s.cpus_per_worker + 1)  # + 1 for Ray Data's read tasks
-    start_local_ray(max(os.cpu_count() or 1, math.ceil(needed)))
+    store = {"object_store_memory": int(s.object_store_gb * 1e9)} if s.object_store_gb else {}
+    start_local_ray(max(os.cpu_count() or 1, math.ceil(needed)), **store)
 
 
 

@@ -21,6 +21,7 @@ BUILTIN_PATHS = {
     "detr": ("raytrain_loops.tasks.detr", "DetrTask"),
     "lm": ("raytrain_loops.tasks.lm", "LMTask"),
     "seamseg": ("raytrain_loops.tasks.seamseg", "SeamsegTask"),
+    "images": ("raytrain_loops.tasks.images", "ImagesTask"),
 }
 _CLASSES = {cls: module for module, cls in BUILTIN_PATHS.values()}
 
@@ -44,6 +45,7 @@ __all__ = [
     "DigitsTask",
     "DinoTask",
     "EvalOutput",
+    "ImagesTask",
     "LMTask",
     "MapSplit",
     "ParquetSplit",
