@@ -218,7 +218,7 @@ def test_a_grouped_run_resumed_mid_epoch_ends_with_the_same_weights_having_seen_
         assert all(len({RESUME_GROUPS[i] for i in b}) == 1 for b in batches)
 
 
-# ---------------------------------------------------------------- on Ray
+# ---------------------------------------------------------------- the run's length, 2 gloo workers
 
 
 def quadrants(points: torch.Tensor) -> list[int]:
@@ -234,26 +234,51 @@ class QuadrantSpirals(SpiralTask):
         return {"train": MapSplit(train, batch_sampler=sampler), "eval": MapSplit(spirals(64, seed=1))}
 
 
-@pytest.mark.ray
-def test_a_ray_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_schedule(ray_session, tmp_path):
+QUADRANT_CONFIG = {
+    **CONFIG,
+    "loop": {"epochs": 3, "seed": 4},
+    "data": {"batch_size": 16},
+    "schedules": {"lr": {"kind": "poly", "per": "epoch", "value": 0.02, "power": 1.0, "end": 0.005}},
+    "run": {"progress": False},
+}
+
+
+def _quadrant_run(rank: int, world: int, run_dir: str):
+    """What a Ray worker runs for QUADRANT_CONFIG with map-style splits (worker/train.py: the
+    source's batches_per_epoch, the engine's total steps, the loop), the run log on rank 0."""
+    from raytrain_loops.callbacks.run_log import RunLog
+
+    cfg = load_config(QUADRANT_CONFIG)
+    task = QuadrantSpirals()
+    source = MapBatches(task.splits(None), cfg.data, cfg.loop.seed, rank, world)
+    batches = source.batches_per_epoch
+    total = total_steps(cfg.loop, cfg.accum, batches)
+    torch.manual_seed(cfg.loop.seed)
+    engine = Engine(
+        DDP(task.build_model()),
+        task.criterion,
+        cfg.engine,
+        total_steps=total,
+        total_epochs=epochs_in_run(cfg.loop, cfg.accum, batches),
+    )
+    log = RunLog(run_dir, rank=rank, total_steps=total, progress=False, workers=world)
+    Loop(engine, source, fakes.RecordingReporter(engine), LoopSettings.of(cfg), task.evaluate, [log]).run(Position())
+    return {"batches": batches, "step": engine.step}
+
+
+def test_a_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_schedule(tmp_path):
+    """The workers' part of a run with a grouping batch sampler, as on Ray (a Ray run of a
+    task with one, seamseg's, is tests/test_seamseg.py's)."""
     import json
-    from pathlib import Path
 
-    from raytrain_loops import fit
-
-    config = {
-        **CONFIG,
-        "loop": {"epochs": 3, "seed": 4},
-        "data": {"batch_size": 16},
-        "schedules": {"lr": {"kind": "poly", "per": "epoch", "value": 0.02, "power": 1.0, "end": 0.005}},
-        "run": {"storage_path": str(tmp_path), "progress": False},
-    }
-    result = fit(config, task=QuadrantSpirals())
+    outcomes = run_gloo(2, _quadrant_run, str(tmp_path), timeout=180)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     # Quadrants of 66, 69, 79 and 86 rows: 4 + 4 + 4 + 5 = 17 batches of 16, 8 per worker (a
     # DistributedSampler's share would be 150 rows, 9 batches).
     assert len(GroupedBatchSampler(quadrants(spirals(300, seed=0).tensors[0]), 16, 0, 2, 4)) == 8
-    assert result.metrics["step"] == 3 * 8
-    records = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [o.value for o in outcomes] == [{"batches": 8, "step": 3 * 8}] * 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 3 * 8 + 1))
     lrs = {(r["epoch"], r["lr"]) for r in records}
     # poly per epoch, power 1: 0.005 + 0.015 * (1 - epoch / 2), one value per epoch
     assert sorted(lrs) == [(0, pytest.approx(0.02)), (1, pytest.approx(0.0125)), (2, pytest.approx(0.005))], lrs

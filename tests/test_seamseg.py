@@ -21,6 +21,7 @@ from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.data import MapBatches
 from raytrain_loops.data.shapes import ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.engine import Engine, StepContext
+from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
@@ -323,6 +324,12 @@ def test_seamseg_recipe_end_to_end_every_named_loss_falls(ray_session, tmp_path)
     cfg = load_config(resolve("seamseg"), overrides)
     result = fit(cfg)  # the shipped task: its training batches come from the grouping sampler
     run_dir = Path(result.run_dir)
+    # The run's length on Ray is the sampler's: 3 epochs of its batches per worker, not of a
+    # DistributedSampler's share of the rows.
+    splits = build_task(cfg.task.name, cfg.task.params).splits(tmp_path / "data")
+    per_worker = MapBatches(splits, cfg.data, cfg.loop.seed, 0, 2).batches_per_epoch
+    assert per_worker != batches_per_epoch(len(splits["train"].dataset), 2, cfg.data.batch_size, padded=True)
+    assert result.metrics["step"] == 3 * per_worker
     epochs = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [0, 1, 2]
     for name in TERMS:  # each epoch's averages over both workers
