@@ -13,7 +13,7 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q "$@"
 fi
 log=$(mktemp)
-.venv/bin/python -m pytest -q -m ray -p no:cacheprovider >"$log" 2>&1 &
+.venv/bin/python -m pytest -q -m ray -p no:cacheprovider --durations=12 >"$log" 2>&1 &
 ray_part=$!
 trap 'kill $ray_part 2>/dev/null || true' INT TERM
 status=0
