@@ -25,7 +25,6 @@ Runs alternate; each figure is the median of ``--repeats`` runs, all runs printe
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -39,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from raytrain_loops.data import patterns  # noqa: E402
 from raytrain_loops.data.parquet import (  # noqa: E402
     ROW_SEED,
     Reader,
@@ -50,20 +50,16 @@ from raytrain_loops.data.parquet import (  # noqa: E402
     train_plan,
     windows_from,
 )
+from raytrain_loops.tasks.images import crops  # noqa: E402
 
-ROWS_PER_FILE, ROW_GROUP, SIDE, CROP, BATCH = 8192, 128, 64, 56, 64
+ROWS_PER_FILE, ROW_GROUP, SIDE, BATCH = 8192, 128, 64, 64
 
 
 def png(rng: np.random.Generator) -> bytes:
-    from PIL import Image
-
     # Smooth gradients plus noise: compresses like a photograph, not like pure noise.
     base = np.linspace(0, 255, SIDE, dtype=np.float32)
     img = base[None, :, None] * rng.random(3) + base[:, None, None] * rng.random(3)
-    img = np.clip(img * 0.5 + rng.normal(0, 24, (SIDE, SIDE, 3)), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(img).save(out, format="PNG", compress_level=1)
-    return out.getvalue()
+    return patterns.png(np.clip(img * 0.5 + rng.normal(0, 24, (SIDE, SIDE, 3)), 0, 255).astype(np.uint8))
 
 
 def write_split(path: Path, gb: float) -> None:
@@ -110,12 +106,17 @@ def pyarrow_read(index: SplitIndex) -> float:
     return rows / (time.perf_counter() - t0)
 
 
+def stream(index: SplitIndex) -> int:
+    """The rows the loop receives from the worker's chain (no preprocessing), in batches of 64."""
+    plan = train_plan(index, 0, 0, 1, 0, 128, 10_000)
+    batches = sliced(prefetched(windows_from(Reader(index), plan, 0), 1), BATCH, lambda b: b, drop_last=True)
+    return sum(len(batch["label"]) for batch in batches)
+
+
 def ours(index: SplitIndex) -> float:
     """Rows per second the loop receives from the worker's chain (no preprocessing)."""
-    plan = train_plan(index, 0, 0, 1, 0, 128, 10_000)
-    t0, rows = time.perf_counter(), 0
-    for batch in sliced(prefetched(windows_from(Reader(index), plan, 0), 1), BATCH, lambda b: b, drop_last=True):
-        rows += len(batch["label"])
+    t0 = time.perf_counter()
+    rows = stream(index)
     return rows / (time.perf_counter() - t0)
 
 
@@ -123,16 +124,7 @@ class Images:
     """A task whose preprocess decodes, crops and flips (the seeds of each row)."""
 
     def preprocess(self, batch: dict, train: bool) -> dict:
-        from PIL import Image
-
-        out = np.empty((len(batch["image"]), CROP, CROP, 3), dtype=np.uint8)
-        for i, (raw, seed) in enumerate(zip(batch["image"], batch[ROW_SEED], strict=True)):
-            img = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
-            rng = np.random.default_rng(int(seed))
-            y, x = rng.integers(0, SIDE - CROP + 1, 2)
-            img = img[y : y + CROP, x : x + CROP]
-            out[i] = img[:, ::-1] if rng.random() < 0.5 else img
-        return {"image": out, "label": batch["label"]}
+        return {"image": crops(batch["image"], batch[ROW_SEED], SIDE, train), "label": batch["label"]}
 
 
 def decode_here(index: SplitIndex, rows: int) -> float:
@@ -189,11 +181,7 @@ def _status(field: str) -> float:
 def run_child(kind: str, path: str, fraction: float) -> None:
     before = _status("VmRSS")  # the interpreter, NumPy and pyarrow, imported
     index = subset(index_split(path, ["image", "label"]), fraction)
-    rows = 0
-    if kind == "stream":
-        plan = train_plan(index, 0, 0, 1, 0, 128, 10_000)
-        for batch in sliced(prefetched(windows_from(Reader(index), plan, 0), 1), BATCH, lambda b: b, drop_last=True):
-            rows += len(batch["label"])
+    rows = stream(index) if kind == "stream" else 0
     gb = sum(os.path.getsize(f) for f in index.files) / 1e9
     peak = _status("VmHWM")
     print(

@@ -76,12 +76,24 @@ class SplitIndex:
     def largest_group(self) -> int:
         return max((n for groups in self.row_groups for n in groups), default=0)
 
+    def size_bytes(self) -> int:
+        """The files' total size (one listing call)."""
+        return sum(info.size or 0 for info in self.filesystem.get_file_info(self.files))
 
-def index_split(path: str, columns: list[str]) -> SplitIndex:
-    """The :class:`SplitIndex` of the Parquet file or directory (or URI) ``path``."""
+    def read_all(self) -> Any:
+        """The split's columns as one ``pyarrow.Table``, in the index's file order (the order
+        :meth:`group_offsets` counts in)."""
+        import pyarrow.dataset as pads
+
+        return pads.dataset(self.files, filesystem=self.filesystem, format="parquet").to_table(columns=self.columns)
+
+
+def index_split(path: str, columns: list[str], ds: Any = None) -> SplitIndex:
+    """The :class:`SplitIndex` of the Parquet file or directory (or URI) ``path``; ``ds``: its
+    ``pyarrow.dataset`` when the caller has already opened it (no second listing)."""
     import pyarrow.dataset as pads
 
-    ds = pads.dataset(path, format="parquet")
+    ds = ds if ds is not None else pads.dataset(path, format="parquet")
     groups = []
     for fragment in ds.get_fragments():
         meta = fragment.metadata

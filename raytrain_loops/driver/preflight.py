@@ -67,7 +67,7 @@ def check_parquet(split_name: str, split: ParquetSplit) -> int:
     if ROW_SEED in split.columns:
         raise DataError(f"split '{split_name}': column '{ROW_SEED}' is the name preprocess's row seeds take; rename it")
     try:
-        split.index = index_split(path, split.columns)
+        split.index = index_split(path, split.columns, ds)
     except Exception as err:
         raise DataError(f"split '{split_name}': cannot read the Parquet footers under {path}: {err}") from None
     return split.index.rows

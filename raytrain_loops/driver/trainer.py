@@ -73,23 +73,18 @@ def hold_in_memory(split: ParquetSplit, config: Config) -> bool:
     mode = config.data.materialize
     if mode != "auto":
         return mode == "always"
-    index = split.index
-    size = sum(index.filesystem.get_file_info(f).size or 0 for f in index.files)
-    return size < MATERIALIZE_BELOW_BYTES
+    return split.index.size_bytes() < MATERIALIZE_BELOW_BYTES
 
 
 def place_parquet(splits: dict[str, Any], config: Config) -> None:
     """Put the Parquet splits held in memory (:func:`hold_in_memory`) in Ray's object store;
     warn, naming the file, when a streamed split's row groups are so large that every chunk read
     decodes a row group many times its size."""
-    import pyarrow.dataset as pads
-
     for name, split in splits.items():
         if not isinstance(split, ParquetSplit) or split.index.table is not None:
             continue
         if hold_in_memory(split, config):
-            table = pads.dataset(split.path, format="parquet").to_table(columns=split.columns)
-            split.index.table = ray.put(table)
+            split.index.table = ray.put(split.index.read_all())
             continue
         largest, chunk = split.index.largest_group(), config.data.shuffle_chunk_rows
         if name == "train" and largest > 8 * chunk:

@@ -91,21 +91,26 @@ def _read_and_preprocess(
     ``rows`` at a time (``skip``: rows of the first window already trained on; ``train``: the
     train split's rows)."""
     reader = Reader(index)
-    for w in (first + int(i) for i in ids["id"]):
-        batch = read_window(reader, plan, w, skip if w == first else 0, seeds)
-        n = len(batch[ROW_SEED])
-        for lo in range(0, n, rows):
-            part = {k: v[lo : lo + rows] for k, v in batch.items()}
-            out = task.preprocess(part, train=train)
-            got = {k: len(v) for k, v in out.items()}
-            if set(got.values()) != {len(part[ROW_SEED])}:
-                raise ValueError(
-                    f"{type(task).__name__}.preprocess must map each row to one row: {len(part[ROW_SEED])} rows in, "
-                    f"column lengths out {got}"
-                )
-            out.pop(ROW_SEED, None)
-            yield out
-    reader.close()
+    try:
+        for w in (first + int(i) for i in ids["id"]):
+            batch = read_window(reader, plan, w, skip if w == first else 0, seeds)
+            for lo in range(0, len(batch[ROW_SEED]), rows):
+                yield _preprocess_part(task, {k: v[lo : lo + rows] for k, v in batch.items()}, train)
+    finally:
+        reader.close()
+
+
+def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+    """``task.preprocess`` of ``part``, checked to give one row per row, without the row seeds."""
+    out = task.preprocess(part, train=train)
+    got = {k: len(v) for k, v in out.items()}
+    if set(got.values()) != {len(part[ROW_SEED])}:
+        raise ValueError(
+            f"{type(task).__name__}.preprocess must map each row to one row: {len(part[ROW_SEED])} rows in, "
+            f"column lengths out {got}"
+        )
+    out.pop(ROW_SEED, None)
+    return out
 
 
 def preprocessed(
