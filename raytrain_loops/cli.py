@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import traceback
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,6 +14,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe on Ray Train (a local Ray, or the cluster in RAY_ADDRESS)")
     train.add_argument("recipe", help="built-in recipe name or YAML path")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. loop.epochs=3")
+    train.add_argument(
+        "--local",
+        action="store_true",
+        help="local mode: the loop in this process, without Ray (scaling.num_workers=0); pdb and breakpoint() work",
+    )
     sweep = sub.add_parser("tune", help="a Ray Tune search over a recipe; every trial a multi-worker Ray Train run")
     sweep.add_argument("recipe", help="built-in recipe name or YAML path")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
@@ -91,6 +97,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
     from raytrain_loops.driver.preflight import DataError
 
     again = shlex.join(["raytrain-loops", *argv])
+    config = None
     try:
         config = load_config(recipes.resolve(args.recipe), args.overrides)
         if args.command == "tune":
@@ -111,7 +118,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"raytrain-loops: {args.command} interrupted; the same command runs it again: {again}", file=sys.stderr)
         return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
-        return _failed(args.command, err)
+        return _failed(args.command, err, local=config is not None and config.scaling.local)
     if args.command == "tune":
         print(f"sweep directory: {swept.sweep_dir}")
         return 0
@@ -121,10 +128,12 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _failed(command: str, err: Exception) -> int:
+def _failed(command: str, err: Exception, local: bool = False) -> int:
     from raytrain_loops.driver.errors import root_cause, worker_traceback
 
     trace = worker_traceback(err)
+    if local:  # raised in this process: its own traceback, the task's frame last
+        trace = "".join(traceback.format_exception(err))
     if trace:
         print(trace.rstrip(), file=sys.stderr)
     print(f"raytrain-loops: {command} failed: {root_cause(err)}", file=sys.stderr)
@@ -136,9 +145,16 @@ VERBS = {"recipes": _recipes, "export": _export, "submit": _submit, "train": _tr
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)  # overrides after an option (train --local a=1) come back here
+    if rest and (not hasattr(args, "overrides") or any(r.startswith("-") for r in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
     if getattr(args, "verbose", False):
         args.overrides = [*args.overrides, "logging.verbose=true"]
+    if getattr(args, "local", False):
+        args.overrides = [*args.overrides, "scaling.num_workers=0"]
     return VERBS[args.command](args, argv)
 
 

@@ -255,8 +255,8 @@ def _save(engine: Engine, run: str, rank: int, world: int) -> None:
 
 
 def _restore(engine: Engine, run: str, rank: int, world: int):
+    from raytrain_loops.runtime.restore import candidates
     from raytrain_loops.worker.reporter import RayReporter
-    from raytrain_loops.worker.restore import candidates
 
     reporter = RayReporter(engine, rank, world, run)
     position = reporter.restore_from(candidates(run, None))

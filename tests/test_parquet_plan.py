@@ -194,13 +194,13 @@ class _Noisy:
 
 
 def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when_it_does_not(split):
-    from raytrain_loops.worker.batches import _read_and_preprocess
+    from raytrain_loops.data.source import read_and_preprocess
 
     plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
     kwargs = {"index": split, "plan": plan, "first": 3, "skip": 10, "seeds": (0, 2), "rows": 300, "train": True}
     with pytest.raises(ValueError, match=r"_Doubling.preprocess must map each row to one row: 300 rows in"):
-        list(_read_and_preprocess({"id": np.array([0])}, task=_Doubling(), **kwargs))
-    out = list(_read_and_preprocess({"id": np.array([0, 1])}, task=_Noisy(), **kwargs))
+        list(read_and_preprocess(task=_Doubling(), windows=[3], **kwargs))
+    out = list(read_and_preprocess(task=_Noisy(), windows=[3, 4], **kwargs))
     assert [len(o["id"]) for o in out][:4] == [300, 300, 300, len(out[3]["id"])]
     assert all(ROW_SEED not in o for o in out)  # the seeds do not travel on to the worker
     ids = np.concatenate([o["id"] for o in out])
@@ -209,6 +209,22 @@ def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when
     seeds = np.concatenate([e[ROW_SEED] for e in expected])
     noise = np.concatenate([o["x"] for o in out])
     assert np.array_equal(noise, [np.random.default_rng(int(s)).normal() for s in seeds])
+
+
+def test_local_preprocessing_gives_the_rows_and_seeds_ray_datas_tasks_get_from_a_resumed_position(split):
+    from raytrain_loops.config.run import DataConfig, PreprocessConfig
+    from raytrain_loops.data.source import preprocessed_here, read_and_preprocess
+
+    plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
+    data = DataConfig(preprocess=PreprocessConfig(batch_rows=300))
+    start = plan.window * 3 + 10  # in window 3 or 2, its first rows trained on
+    first, skip = plan.locate(start)
+    assert first >= 2 and skip > 0
+    here = list(preprocessed_here(_Noisy(), data, plan, split, start, (0, 2), True))
+    tasks = list(read_and_preprocess(_Noisy(), split, plan, range(first, plan.windows), first, skip, (0, 2), 300, True))
+    for key in ("id", "x"):
+        assert np.array_equal(np.concatenate([o[key] for o in here]), np.concatenate([o[key] for o in tasks]))
+    assert sum(len(o["id"]) for o in here) == plan.rows - start
 
 
 def test_a_streamed_split_with_large_row_groups_gets_a_warning_naming_it(split, capsys):

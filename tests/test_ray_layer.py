@@ -15,11 +15,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from raytrain_loops import ConfigError, ParquetSplit, fit
 from raytrain_loops.driver.preflight import DataError
-from raytrain_loops.engine import precision
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
 
@@ -293,46 +291,6 @@ def test_missing_parquet_file_or_column_is_named_before_ray_starts(tmp_path, mon
         fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(table), ["image", "label"]))
     with pytest.raises(ConfigError, match="data.batch_size: 64 is more than the 2 training rows per worker"):
         fit({"run": {"storage_path": str(tmp_path)}}, task=_PointedDigits(str(table), ["image", "target"]))
-
-
-@pytest.mark.ray
-def test_a_users_own_task_trains_through_the_python_api_and_its_run_name_continues_mid_epoch(ray_session, tmp_path):
-    from examples.custom_task import CONFIG, SpiralTask
-
-    # 16 steps per epoch (2048 rows / 2 workers / 64 per batch); the first run stops at step 24,
-    # half-way through epoch 1, and the same run name carries it on to the end of 12 epochs.
-    # precision.dtype=auto resolves on the workers' CPU at the first start and is recorded; the
-    # rerun keeps the recorded dtype, even where this CPU would resolve to another one.
-    base = {
-        **CONFIG,
-        "loop": {"max_steps": 24, "epochs": 12},
-        "precision": {"dtype": "auto"},
-        "checkpoint": {"every_steps": 8},
-        "run": {"name": "resume-me", "storage_path": str(tmp_path), "progress": False},
-    }
-    first = fit(base, task=SpiralTask())
-    assert first.metrics["step"] == 24 and first.checkpoint.endswith("checkpoint_00000024")
-    state = torch.load(Path(first.checkpoint) / "rank1.pt", weights_only=True)
-    assert state["data"] == {"epoch": 1, "batches": 8}
-    here = precision.resolve("auto", precision.hardware(torch.device("cpu")))[0]
-    record_file = Path(first.run_dir) / "precision.json"
-    record = json.loads(record_file.read_text())
-    assert (record["requested"], record["dtype"]) == ("auto", here)
-    assert json.loads((Path(first.run_dir) / "summary.json").read_text())["precision"] == here
-    assert "precision:\n  dtype: auto\n" in (Path(first.run_dir) / "config.yaml").read_text()  # the config keeps auto
-    other = "bf16" if here != "bf16" else "fp32"  # as if the first start had been on other hardware
-    record_file.write_text(json.dumps({**record, "dtype": other}) + "\n")
-
-    second = fit({**base, "loop": {"max_steps": 0, "epochs": 12}}, task=SpiralTask())
-    assert json.loads((Path(second.run_dir) / "summary.json").read_text())["precision"] == other
-    assert json.loads(record_file.read_text())["dtype"] == other
-    records = [json.loads(line) for line in (Path(second.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 12 * 16 + 1))  # 1-24, then 25-192: nothing redone
-    assert [r["epoch"] for r in records][23:26] == [1, 1, 1]  # the second run resumed inside epoch 1
-    assert records[24]["loss"] < 0.8 * records[0]["loss"]  # with the trained weights, not fresh ones
-    evals = [json.loads(line) for line in (Path(second.run_dir) / "eval.jsonl").read_text().splitlines()]
-    assert evals[-1]["step"] == second.metrics["step"] == 12 * 16
-    assert second.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
 
 
 @pytest.mark.ray

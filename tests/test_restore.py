@@ -20,8 +20,8 @@ from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.engine.loop import Position
+from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.worker.reporter import RayReporter
-from raytrain_loops.worker.restore import candidates
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars
@@ -192,7 +192,7 @@ def test_a_worker_whose_listing_lags_restores_the_newest_checkpoint_with_the_oth
 
 
 def _agree(rank: int, world: int, loaded: list[dict]) -> None:
-    from raytrain_loops.worker.restore import agree
+    from raytrain_loops.runtime.restore import agree
 
     agree(loaded[rank], rank)
 

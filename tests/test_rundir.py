@@ -95,13 +95,16 @@ def test_a_rerun_may_change_scaling_logging_run_and_length_and_says_so(tmp_path,
     assert len((run / "config_changes.jsonl").read_text().splitlines()) == 1
 
 
-def test_a_hashed_run_name_ignores_allow_config_change_and_keeps_the_length():
+def test_a_hashed_run_name_ignores_allow_config_change_and_scaling_and_keeps_the_length():
     from raytrain_loops.driver.preflight import run_name
 
     base = load_config(CONFIG)
     same = load_config(CONFIG, ["run.allow_config_change=true", "run.progress=false"])
+    local = load_config(CONFIG, ["scaling.num_workers=0"])
+    wider = load_config(CONFIG, ["scaling.num_workers=8", "scaling.strategy=fsdp"])
     longer = load_config(CONFIG, ["loop.epochs=31"])
-    assert run_name(base, SpiralTask()) == run_name(same, SpiralTask()) != run_name(longer, SpiralTask())
+    names = {run_name(c, SpiralTask()) for c in (base, same, local, wider)}
+    assert len(names) == 1 and run_name(longer, SpiralTask()) not in names
 
 
 def test_a_second_driver_on_the_same_run_directory_is_refused(tmp_path, no_ray):

@@ -145,7 +145,11 @@ class CheckpointConfig:
 class ScalingConfig:
     """Workers and their resources."""
 
-    num_workers: int = opt(2, "Training workers (one DDP process each); the most, when elastic.")
+    num_workers: int = opt(
+        2,
+        "Training workers (one DDP process each); the most, when elastic. 0: local mode, the loop in the calling "
+        "process without Ray (one worker's batches; `train --local`).",
+    )
     min_workers: int = opt(
         0,
         "Elastic when 1 <= min_workers < num_workers: the run goes on with as few as min_workers as nodes go "
@@ -172,13 +176,25 @@ class ScalingConfig:
     )
 
     def __post_init__(self) -> None:
-        at_least(self, 1, "num_workers")
+        at_least(self, 0, "num_workers")
+        if self.num_workers == 0 and self.min_workers:
+            raise ConfigError("min_workers", f"local mode (num_workers=0) has no elastic group; got {self.min_workers}")
         if self.min_workers > self.num_workers:
             raise ConfigError("min_workers", f"must be <= num_workers={self.num_workers}; got {self.min_workers}")
         if self.resize_interval_s <= 0:
             raise ConfigError("resize_interval_s", f"must be > 0; got {self.resize_interval_s}")
         at_least(self, 0, "cpus_per_worker")
         at_least(self, 0, "threads_per_worker", "object_store_gb")
+
+    @property
+    def local(self) -> bool:
+        """Local mode: the loop in the calling process, without Ray."""
+        return self.num_workers == 0
+
+    @property
+    def workers(self) -> int:
+        """The training processes the run's length is planned for: one in local mode."""
+        return max(1, self.num_workers)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -274,6 +290,12 @@ class Config:
     )
 
     def __post_init__(self) -> None:
+        if self.scaling.local and self.run.max_failures != 0:
+            raise ConfigError(
+                "run.max_failures",
+                f"local mode (scaling.num_workers=0) restarts nothing, a failure raises in this process; got "
+                f"{self.run.max_failures}, set 0",
+            )
         for name in ("lr", "weight_decay", "ema_momentum"):
             if name not in self.schedules:
                 raise ConfigError(f"schedules.{name}", "is required")

@@ -75,6 +75,8 @@ class SweepConfig:
         if not self.space:
             raise ConfigError("space", "is empty: give at least one dotted key to search over")
         at_least(self, 1, "num_samples")
+        if self.trial.local:
+            raise ConfigError("trial.num_workers", "a sweep's trials are Ray Train runs: local mode (0) cannot run them")
         for key, spec in self.space.items():
             _check_distribution(f"space.{key}", spec)
         if self.search.algorithm == "optuna" and any("grid" in spec for spec in self.space.values()):

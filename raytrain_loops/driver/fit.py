@@ -4,6 +4,7 @@ TorchTrainer, write the summary; an interruption names the checkpoint that resum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,35 +164,19 @@ def _train(
     run_dir: str,
     tracking: Tracking | None = None,
 ) -> FitResult:
-    from raytrain_loops.console.capture import Console
-    from raytrain_loops.controller.announcer import Announcer
-
     start = time.time()
     warned = warn_emulated_bf16(config)
-    with Console(run_dir, config.logging.verbose) as console, tracked(tracking, run_dir, name, config) as mlflow_run:
-        ensure_ray(config)
-        from raytrain_loops.driver.trainer import build_trainer
+    console = contextlib.nullcontext() if config.scaling.local else _ray_console(config, run_dir)
+    with console as console, tracked(tracking, run_dir, name, config) as mlflow_run:
+        if config.scaling.local:
+            from raytrain_loops.runtime.local import train_local
+            from raytrain_loops.runtime.wiring import WorkerPayload
 
-        sender = console.start()
-        board = StopBoard.new(run_dir, config.scaling.num_workers)
-        announcer = Announcer(sender, config.run.max_failures)
-        trainer = build_trainer(
-            config,
-            task,
-            splits,
-            rows,
-            name,
-            run_dir,
-            callbacks=[announcer],
-            board=board,
-            console=sender,
-            tracking=mlflow_run,
-            precision_warned=warned,
-        )
-        result = fit_or_stop(trainer, board)
+            payload = WorkerPayload(config, task, splits, rows, run_dir, None, None, None, mlflow_run, warned)
+            metrics, checkpoint = train_local(payload)
+        else:
+            metrics, checkpoint = _train_on_ray(config, task, splits, rows, name, run_dir, console, mlflow_run, warned)
         wall = time.time() - start
-        metrics = dict(result.metrics or {})
-        checkpoint = result.checkpoint.path if result.checkpoint else None
         summary = {
             "run_dir": run_dir,
             "wall_time_s": round(wall, 2),
@@ -205,3 +190,46 @@ def _train(
 
             plot_run(run_dir)
     return FitResult(run_dir, metrics, checkpoint, wall)
+
+
+def _ray_console(config: Config, run_dir: str):
+    from raytrain_loops.console.capture import Console
+
+    return Console(run_dir, config.logging.verbose)
+
+
+def _train_on_ray(
+    config: Config,
+    task: Task,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    name: str,
+    run_dir: str,
+    console: Any,
+    mlflow_run: Any,
+    warned: bool,
+) -> tuple[dict[str, Any], str | None]:
+    """Start (or join) Ray and run the TorchTrainer; the last reported metrics and checkpoint."""
+    from raytrain_loops.controller.announcer import Announcer
+
+    ensure_ray(config)
+    from raytrain_loops.driver.trainer import build_trainer
+
+    sender = console.start()
+    board = StopBoard.new(run_dir, config.scaling.num_workers)
+    announcer = Announcer(sender, config.run.max_failures)
+    trainer = build_trainer(
+        config,
+        task,
+        splits,
+        rows,
+        name,
+        run_dir,
+        callbacks=[announcer],
+        board=board,
+        console=sender,
+        tracking=mlflow_run,
+        precision_warned=warned,
+    )
+    result = fit_or_stop(trainer, board)
+    return dict(result.metrics or {}), result.checkpoint.path if result.checkpoint else None

@@ -27,10 +27,12 @@ def run_name(config: Config, task: Task) -> str:
     """The run's name: ``run.name``, or the task's class name and a hash of everything that
     shapes the result, so the same command maps to the same run directory. The run's length is
     part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
-    same directory, continued)."""
+    same directory, continued). Scaling is not: the same recipe is the same run locally and on any
+    number of workers."""
     if config.run.name:
         return config.run.name
     data = config.to_dict()
+    del data["scaling"]
     ignored = ("storage_path", "progress", "allow_config_change")
     data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
     # How the run is shown and where it is tracked are not what it is.
@@ -119,10 +121,10 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             raise DataError(f"task {config.task.name!r}, split '{name}': only the train split takes a batch_sampler")
     if getattr(splits["train"], "batch_sampler", None) is not None:
         check_batch_sampler(config, splits["train"], rows["train"])
-    elif rows["train"] // config.scaling.num_workers < config.data.batch_size:
+    elif rows["train"] // config.scaling.workers < config.data.batch_size:
         raise ConfigError(
             "data.batch_size",
-            f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.num_workers} training rows per worker",
+            f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.workers} training rows per worker",
         )
     planned_steps(config, splits, rows)  # an epoch too short for one update fails here, not on the workers
     return task, splits, rows
@@ -135,14 +137,14 @@ def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:
     the task and split when the task's sampler fails or gives no batch."""
     where = f"task {config.task.name!r}, split 'train'"
     try:
-        sampler = split.batch_sampler(config.data.batch_size, 0, config.scaling.num_workers, config.loop.seed)
+        sampler = split.batch_sampler(config.data.batch_size, 0, config.scaling.workers, config.loop.seed)
         batches = len(sampler)
     except Exception as err:  # the task's own code: say whose sampler failed
         raise DataError(f"{where}: batch_sampler: {err}") from err
     if batches < 1:
         raise DataError(
             f"{where}: the batch sampler gives no batch per worker with data.batch_size={config.data.batch_size} "
-            f"and {config.scaling.num_workers} workers"
+            f"and {config.scaling.workers} workers"
         )
     return sampler, batches
 
@@ -170,7 +172,7 @@ def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) 
         per_worker = _rank0_sampler(config, train)[1]
     else:
         per_worker = batches_per_epoch(
-            rows["train"], config.scaling.num_workers, config.data.batch_size, padded=isinstance(train, MapSplit)
+            rows["train"], config.scaling.workers, config.data.batch_size, padded=isinstance(train, MapSplit)
         )
     return total_steps(config.loop, config.accum, per_worker)
 

@@ -17,7 +17,11 @@ EXCLUDES = [".venv", ".git", "runs", "**/__pycache__", "*.egg-info"]
 def entrypoint(recipe: str, overrides: list[str], working_dir: str | None) -> str:
     """The job's command line; a recipe file must travel in ``working_dir``."""
     path = recipes.resolve(recipe)
-    load_config(path, overrides)  # bad keys or values fail here, before anything is submitted
+    config = load_config(path, overrides)  # bad keys or values fail here, before anything is submitted
+    if config.scaling.local:
+        raise ConfigError(
+            "scaling.num_workers", "a submitted job trains on the cluster's Ray: local mode (0) is `train --local` here"
+        )
     arg = recipe
     if recipe not in recipes.builtin():
         if working_dir is None:

@@ -1,0 +1,139 @@
+"""One worker's batches of a run's splits, without Ray: Parquet splits in the epoch's order of
+:mod:`raytrain_loops.data.parquet`, map-style splits by :class:`~raytrain_loops.data.MapBatches`.
+The loop's :class:`~raytrain_loops.engine.loop.BatchSource` for a Ray worker
+(:mod:`raytrain_loops.worker.batches`, which hands a task's ``preprocess`` to Ray Data) and for a
+local run (which applies it in its own process, :func:`preprocessed_here`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytrain_loops.config import Config
+from raytrain_loops.config.run import DataConfig
+from raytrain_loops.data.map_style import MapBatches
+from raytrain_loops.data.parquet import (
+    ROW_SEED,
+    Reader,
+    WorkerPlan,
+    eval_plan,
+    prefetched,
+    read_window,
+    sliced,
+    train_plan,
+    windows_from,
+)
+from raytrain_loops.engine.length import batches_per_epoch
+from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
+
+# (task, data, plan, index, start_row, (seed, epoch), train) -> the plan's preprocessed rows from start_row on
+Preprocessing = Callable[[Task, DataConfig, WorkerPlan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
+
+
+class Batches:
+    """This worker's batches of each split, per epoch: Parquet splits by the epoch's plan (read on
+    a background thread, or through ``preprocessing`` for a task with ``preprocess``), map-style
+    splits by a :class:`~raytrain_loops.data.MapBatches`. ``device``: where the batches go (pinned
+    on a CUDA device)."""
+
+    def __init__(
+        self,
+        task: Task,
+        config: Config,
+        splits: dict[str, Any],
+        rows: dict[str, int],
+        rank: int,
+        world: int,
+        device: torch.device | str | None,
+        preprocessing: Preprocessing,
+    ):
+        self.task, self.data, self.seed, self.rank, self.world = task, config.data, config.loop.seed, rank, world
+        self.preprocessing = preprocessing
+        self.has_eval = "eval" in splits
+        self.parquet = {name: split for name, split in splits.items() if isinstance(split, ParquetSplit)}
+        maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
+        self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world, device)
+        if "train" in maps:  # a DistributedSampler's padded shares, or the split's batch sampler
+            self.batches_per_epoch = self.maps.batches_per_epoch
+        else:
+            self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size)
+
+    def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
+        if split in self.maps.splits:
+            return self.maps.batches(split, epoch, start)
+        train = split == "train"
+        size = self.data.batch_size if train else self.data.eval_batch_size
+        index = self.parquet[split].index
+        if train:
+            plan = train_plan(
+                index, self.seed, epoch, self.world, self.rank, self.data.shuffle_chunk_rows, self.data.shuffle_buffer
+            )
+        else:
+            plan = eval_plan(index, self.world, self.rank)
+        if has_preprocess(self.task):
+            fetched = self.preprocessing(self.task, self.data, plan, index, start * size, (self.seed, epoch), train)
+        else:
+            # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
+            fetched = prefetched(_read(index, plan, start * size), min(1, self.data.prefetch_batches))
+        return sliced(fetched, size, self.task.collate, drop_last=train)
+
+
+def _read(index: Any, plan: WorkerPlan, start_row: int) -> Iterator[dict[str, Any]]:
+    reader = Reader(index)
+    try:
+        yield from windows_from(reader, plan, start_row)
+    finally:
+        reader.close()
+
+
+def read_and_preprocess(
+    task: Task,
+    index: Any,
+    plan: WorkerPlan,
+    windows: Iterable[int],
+    first: int,
+    skip: int,
+    seeds: tuple[int, int],
+    rows: int,
+    train: bool,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Read ``windows`` of ``plan`` and pass their rows through ``task.preprocess``, ``rows`` at
+    a time (``skip``: the rows of window ``first`` already trained on; ``train``: the train
+    split's rows)."""
+    reader = Reader(index)
+    try:
+        for w in windows:
+            batch = read_window(reader, plan, w, skip if w == first else 0, seeds)
+            for lo in range(0, len(batch[ROW_SEED]), rows):
+                yield _preprocess_part(task, {k: v[lo : lo + rows] for k, v in batch.items()}, train)
+    finally:
+        reader.close()
+
+
+def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+    """``task.preprocess`` of ``part``, checked to give one row per row, without the row seeds."""
+    out = task.preprocess(part, train=train)
+    got = {k: len(v) for k, v in out.items()}
+    if set(got.values()) != {len(part[ROW_SEED])}:
+        raise ValueError(
+            f"{type(task).__name__}.preprocess must map each row to one row: {len(part[ROW_SEED])} rows in, "
+            f"column lengths out {got}"
+        )
+    out.pop(ROW_SEED, None)
+    return out
+
+
+def preprocessed_here(
+    task: Task, data: DataConfig, plan: WorkerPlan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
+) -> Iterable[dict[str, Any]]:
+    """The plan's windows from ``start_row`` on, read and preprocessed in this process, one
+    window ahead on a background thread: the same rows, in the same order and with the same
+    row seeds, as Ray Data's tasks give a Ray worker."""
+    first, skip = plan.locate(start_row)
+    parts = read_and_preprocess(
+        task, index, plan, range(first, plan.windows), first, skip, seeds, data.preprocess.batch_rows, train
+    )
+    return prefetched(parts, max(1, data.prefetch_batches))

@@ -1,0 +1,153 @@
+"""Local mode (``scaling.num_workers=0``): the loop of one worker in the calling process, without
+Ray. The same wiring as a Ray worker (:func:`raytrain_loops.runtime.wiring.wire`), the same
+batches as a one-worker Ray run (Parquet splits in the epoch's plan, ``Task.preprocess`` applied
+in this process), checkpoints in the run directory's layout, so that a local run continues on a
+cluster and a cluster's run continues here. Ray is not imported on this path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from raytrain_loops import storage
+from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.console.display import Display
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.data.source import Batches, preprocessed_here
+from raytrain_loops.driver.errors import TrainingStopped
+from raytrain_loops.driver.run_dir import checkpoint_dirs
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.distributed import sharding
+from raytrain_loops.engine.guards import TrainingError
+from raytrain_loops.engine.loop import Position
+from raytrain_loops.runtime.best import BestCheckpoints
+from raytrain_loops.runtime.reporter import CheckpointReporter
+from raytrain_loops.runtime.restore import candidates
+from raytrain_loops.runtime.wiring import WorkerPayload, wire
+from raytrain_loops.tasks import Task
+
+
+class DisplaySender(Sender):
+    """The console events of rank 0 and of what stands for Ray's controller, shown on this
+    process's display as the driver's console shows them."""
+
+    def __init__(self, display: Display):
+        super().__init__(None)
+        self.display = display
+
+    def send(self, kind: str, text: str, **data: Any) -> None:
+        self.display.show({"kind": kind, "text": text, **data})
+
+    def flush(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class LocalReporter(CheckpointReporter):
+    """A local run's reports: the last metrics kept (the run's result), each checkpoint written
+    into the run directory (a local one: under a hidden name, then renamed), then Ray's retention
+    (``checkpoint.keep``, the newest) and ``best/`` by ``checkpoint.score_metric``, as a Ray run
+    keeps them."""
+
+    def __init__(self, engine: Engine, run_dir: str, config: Config, sender: Sender):
+        super().__init__(engine, 0, 1, run_dir)
+        c = config.checkpoint
+        self.keep, self.sender = c.keep, sender
+        self.best = BestCheckpoints(run_dir, c.score_metric, c.score_mode, c.keep) if c.score_metric else None
+        self.metrics: dict[str, Any] = {}
+        self.checkpoint: str | None = None
+
+    def report(self, metrics: dict[str, Any], checkpoint: Position | None) -> None:
+        self.metrics = dict(metrics)
+        if checkpoint is None:
+            return
+        name = self._dir_name()
+        dest = storage.join(self.run_dir, name)
+        tmp = self._write(checkpoint, None)
+        try:
+            _place(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.checkpoint = dest
+        self.sender.send("checkpoint", f"checkpoint at step {metrics.get('step')}: {dest}")
+        if self.best is not None:
+            self.best.add(metrics, name)
+        if self.keep:
+            for old in checkpoint_dirs(self.run_dir)[: -self.keep]:
+                storage.delete_tree(old)
+
+    def restore(self, init_checkpoint: str | None = None) -> Position | None:
+        return self.restore_from(candidates(self.run_dir, None), init_checkpoint)
+
+
+def _place(tmp: str, dest: str) -> None:
+    """Move a checkpoint written in ``tmp`` to ``dest``: on a local file system whole or not at all
+    (copied under a hidden name, then renamed); to an object store, its files uploaded (the
+    manifests tell a complete checkpoint from a cut one)."""
+    if storage.is_uri(dest):
+        storage.upload_dir(tmp, dest)
+        return
+    partial = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(tmp, partial)
+    os.rename(partial, dest)
+
+
+def local_device(config: Config) -> torch.device:
+    if not config.scaling.use_gpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("scaling.use_gpu", "local mode found no CUDA device in this process")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _prepare_model(module: torch.nn.Module, task: Task, config: Config) -> tuple[torch.nn.Module, None]:
+    """Checkpointing and compilation of the task's blocks, on this process's device. One process
+    holds the whole model: ``scaling.strategy=fsdp`` trains it unsharded and checkpoints it whole,
+    which a run under FSDP shards again when it continues from it."""
+    sharding.prepare_model(module, task.blocks(module), checkpointing=config.checkpointing, compile_cfg=config.compile)
+    return module.to(local_device(config)), None
+
+
+def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
+    """Run the loop in this process as the only worker; return the last reported metrics and the
+    newest checkpoint. The task's own errors are raised here with their own tracebacks; an
+    error of the :class:`~raytrain_loops.engine.guards.TrainingError` family (non-finite values,
+    a loss spike) as :class:`~raytrain_loops.driver.errors.TrainingStopped`, as on Ray."""
+    device = local_device(payload.config)
+    display = Display()
+    sender = DisplaySender(display)
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")  # the run sets its own
+    try:
+        wired = wire(
+            payload,
+            0,
+            1,
+            device,
+            sender,
+            prepare_model=_prepare_model,
+            batches=functools.partial(_batches, device=device),
+            reporter=functools.partial(LocalReporter, run_dir=payload.run_dir, config=payload.config, sender=sender),
+        )
+        try:
+            wired.loop.run(wired.position)
+        except TrainingError as err:
+            raise TrainingStopped(type(err).__name__, str(err), wired.engine.step) from err
+    finally:
+        display.close()
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    reporter = wired.reporter
+    newest = checkpoint_dirs(payload.run_dir)
+    return reporter.metrics, reporter.checkpoint or (newest[-1] if newest else None)
+
+
+def _batches(task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int], rank: int, world: int, device):
+    return Batches(task, config, splits, rows, rank, world, device, preprocessed_here)
