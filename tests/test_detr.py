@@ -156,9 +156,10 @@ def test_detr_recipe_is_built_in_with_its_command():
     assert cfg.schedules["lr"].kind == "step"
 
 
-@pytest.mark.ray
-def test_detr_recipe_end_to_end_logs_its_terms_and_improves(ray_session, tmp_path):
+def test_detr_recipe_end_to_end_logs_its_terms_and_improves(tmp_path):
+    # Local mode: the task's behaviour in the loop, one worker in this process.
     overrides = [
+        "scaling.num_workers=0",
         "task.params.train_images=512",
         "task.params.validation_images=64",
         "loop.max_steps=48",

@@ -73,11 +73,12 @@ def test_cvnets_without_a_bn_momentum_schedule_names_the_missing_key():
         task.criterion(task.build_model(), _images(4), ctx)
 
 
-@pytest.mark.ray
-def test_cvnets_recipe_accumulates_from_its_epoch_and_stops_at_max_steps(ray_session, tmp_path):
+def test_cvnets_recipe_accumulates_from_its_epoch_and_stops_at_max_steps(tmp_path):
+    # Local mode: the loop's behaviour, one worker in this process.
     overrides = [
+        "scaling.num_workers=0",
         "accum.start_epoch=1",
-        "loop.max_steps=30",
+        "loop.max_steps=51",
         "schedules.lr.warmup_steps=10",
         f"data.dir={tmp_path / 'data'}",
         f"run.storage_path={tmp_path}",
@@ -86,18 +87,18 @@ def test_cvnets_recipe_accumulates_from_its_epoch_and_stops_at_max_steps(ray_ses
     result = fit(resolve("cvnets_cls"), overrides=overrides)
     run_dir = Path(result.run_dir)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if s["applied"]] == list(range(1, 31))
-    # 21 updates of 2 workers x 32 in epoch 0, then 2 micro-batches per update; max_steps stops
-    # the run inside epoch 1.
-    assert [(s["epoch"], s["sample_size"]) for s in steps] == [(0, 64.0)] * 21 + [(1, 128.0)] * 9
+    assert [s["step"] for s in steps if s["applied"]] == list(range(1, 52))
+    # 42 updates of 32 in epoch 0, then 2 micro-batches per update; max_steps stops the run
+    # inside epoch 1.
+    assert [(s["epoch"], s["sample_size"]) for s in steps] == [(0, 32.0)] * 42 + [(1, 64.0)] * 9
     lrs = [s["lr"] for s in steps]
     assert lrs[:10] == sorted(lrs[:10]) and lrs[10:] == sorted(lrs[10:], reverse=True)  # warm-up, then cosine
     losses = [s["loss"] for s in steps]
     assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     # The model and its EMA side by side at each evaluation. Accuracy is still low this early: the
-    # BatchNorm running statistics trail the weights with the momentum falling to 0.01 in 30 steps.
-    assert [e["step"] for e in evals] == [21, 30]
+    # BatchNorm running statistics trail the weights with the momentum falling to 0.01 in 51 steps.
+    assert [e["step"] for e in evals] == [42, 51]
     assert all({"eval_accuracy", "eval_ema_accuracy", "eval_ema_loss"} <= e.keys() for e in evals), evals
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"], evals
     assert result.metrics["bn_momentum"] < 0.1  # the logged schedule value, averaged over the last interval
@@ -160,9 +161,10 @@ def test_dino_teacher_follows_its_momentum_schedule_sees_global_views_only_and_l
     assert not torch.equal(model.head.last_layer.weight, last_layer), "the last layer must train from epoch 1"
 
 
-@pytest.mark.ray
-def test_dino_recipe_learns_without_collapse_and_reports_knn_against_the_initial_backbone(ray_session, tmp_path):
+def test_dino_recipe_learns_without_collapse_and_reports_knn_against_the_initial_backbone(tmp_path):
+    # Local mode: the loop's and the task's behaviour, one worker in this process.
     overrides = [
+        "scaling.num_workers=0",
         "loop.epochs=4",
         f"data.dir={tmp_path / 'data'}",
         f"run.storage_path={tmp_path}",
@@ -171,7 +173,7 @@ def test_dino_recipe_learns_without_collapse_and_reports_knn_against_the_initial
     result = fit(resolve("dino"), overrides=overrides)
     run_dir = Path(result.run_dir)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if s["applied"]] == list(range(1, 4 * 21 + 1))
+    assert [s["step"] for s in steps if s["applied"]] == list(range(1, 4 * 42 + 1))
     losses = [s["loss"] for s in steps]
     assert sum(losses[-10:]) < 0.92 * sum(losses[:10]), losses
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]

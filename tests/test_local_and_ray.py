@@ -1,0 +1,72 @@
+"""The same run, anywhere: a local run continues on Ray from its checkpoint and a Ray run continues
+locally, each ending with the weights of an uninterrupted run at the same world size (one
+worker), and a one-worker Ray run trains on the local run's batches, batch for batch, on a
+Parquet split whose rows are preprocessed (by Ray Data's tasks on Ray, in the process locally)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_loops import fit
+from raytrain_loops.engine import checkpoint as ckpt
+from tests.recording import counted_batches
+
+pytestmark = pytest.mark.ray
+
+# 1347 rows / 32 per batch: 42 steps an epoch on one worker; 2 epochs, interrupted after step 63
+# (mid epoch 1, just checkpointed) by an exception the fault plan raises once.
+STEPS, CUT = 84, 63
+
+
+def _config(tmp_path: Path, name: str, workers: int, interrupted: bool = True) -> dict:
+    record = tmp_path / "records" / name
+    record.mkdir(parents=True, exist_ok=True)
+    return {
+        "task": {"name": "tests.recording:PreprocessedDigits", "params": {"record_dir": str(record), "width": 16}},
+        "loop": {"epochs": 2, "seed": 3},
+        "data": {"dir": str(tmp_path / "data"), "batch_size": 32, "shuffle_buffer": 256, "shuffle_chunk_rows": 64},
+        "optim": {"name": "adamw"},
+        "schedules": {"lr": {"kind": "cosine", "value": 3e-3, "end": 1e-5, "warmup_steps": 10}},
+        "eval": {"every_steps": 42},
+        "checkpoint": {"every_steps": 21},
+        "scaling": {"num_workers": workers},
+        "logging": {"every_steps": 21},
+        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "progress": False, "report_every_steps": 21},
+        "fault": {"plan": [{"step": CUT, "kind": "raise"}] if interrupted else []},
+    }
+
+
+def _weights(result) -> dict[str, torch.Tensor]:
+    return ckpt.read_file(result.checkpoint, ckpt.STATE)["model"]
+
+
+def _batches(tmp_path: Path, name: str) -> dict:
+    return counted_batches(tmp_path / "records" / name)
+
+
+def test_a_local_run_continues_on_ray_and_a_ray_run_locally_with_an_uninterrupted_runs_weights(ray_session, tmp_path):
+    reference = fit(_config(tmp_path, "whole", 0, interrupted=False))
+    assert reference.metrics["step"] == STEPS
+
+    with pytest.raises(RuntimeError, match=rf"fault\.plan\[0\] after step {CUT}"):
+        fit(_config(tmp_path, "local-then-ray", 0))  # raised here, in this process
+    on_ray = fit(_config(tmp_path, "local-then-ray", 1))
+    with pytest.raises(Exception, match=rf"fault\.plan\[0\] after step {CUT}"):
+        fit(_config(tmp_path, "ray-then-local", 1))
+    local = fit(_config(tmp_path, "ray-then-local", 0))
+
+    # Batch for batch: the rows of every step, local and on Ray, in either order of the two.
+    expected = _batches(tmp_path, "whole")
+    assert len(expected) == STEPS and {k[1] for k in expected} == set(range(1, STEPS + 1))
+    assert _batches(tmp_path, "local-then-ray") == expected
+    assert _batches(tmp_path, "ray-then-local") == expected
+    whole = _weights(reference)
+    for result in (on_ray, local):
+        assert result.metrics["step"] == STEPS
+        got = _weights(result)
+        assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole), result.run_dir
+    # The evaluations agree too (on the eval split, preprocessed without augmentation).
+    assert on_ray.metrics["eval_loss"] == local.metrics["eval_loss"] == reference.metrics["eval_loss"]
