@@ -25,10 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
     sub.add_parser("recipes", help="list the built-in recipes")
     export = sub.add_parser(
-        "export", help="write a checkpoint (sharded or not) as one state.pt for inference: model, ema, counters"
+        "export",
+        help="write a checkpoint (sharded or not) as one state.pt for inference (model, ema, counters), "
+        "or, --format hf, as a Hugging Face model directory (hf_lm runs)",
     )
     export.add_argument("checkpoint", help="a local checkpoint directory (checkpoint_<step>)")
-    export.add_argument("out", help="the file to write, e.g. state.pt")
+    export.add_argument("out", help="the file to write, e.g. state.pt (--format hf: a directory)")
+    export.add_argument("--format", choices=["state", "hf"], default="state", help="state.pt, or hf")
+    export.add_argument("--ema", action="store_true", help="--format hf: the EMA's weights")
     submit = sub.add_parser("submit", help="train a recipe on a Ray cluster through the Ray Jobs API")
     submit.add_argument("recipe", help="built-in recipe name or YAML path (inside --working-dir)")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -61,11 +65,18 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    from raytrain_loops.config import ConfigError
     from raytrain_loops.engine.checkpoint import CheckpointError, export
 
     try:
+        if args.format == "hf":
+            from raytrain_loops.tools.export_hf import export_hf
+
+            counters = export_hf(args.checkpoint, args.out, ema=args.ema)
+            print(f"wrote {args.out}: a Hugging Face model and tokenizer at step {counters.get('step', '?')}")
+            return 0
         written = export(args.checkpoint, args.out)
-    except (CheckpointError, FileNotFoundError) as err:
+    except (CheckpointError, FileNotFoundError, ConfigError) as err:
         return _error(f"cannot export {args.checkpoint}: {err}")
     step = written["counters"].get("step", "?")
     print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")

@@ -2,16 +2,20 @@
 """What the Ray layer costs, measured against baselines in the same invocation.
 
 1. Time to the first optimizer step: ``raytrain-loops train default`` against a minimal
-   hand-written TorchTrainer script (same model, same Parquet data, 2 CPU workers, DDP). Both
-   are fresh processes that start their own local Ray; runs alternate. The first step's wall
+   hand-written TorchTrainer script (same model, same Parquet data, 2 CPU workers, DDP), and
+   ``raytrain-loops train default --local`` (local mode: one process, no Ray). All are fresh
+   processes, the first two starting their own local Ray; runs alternate. The first step's wall
    time is read from what each wrote, measured from the moment the process was launched.
 2. Steady step time: the median time between consecutive steps of a 1-worker run inside Ray
-   (Ray Data ingestion, logging, reports) against the bare engine stepping over the same data
-   in memory in this process, both with one torch thread.
+   (Ray Data ingestion, logging, reports) and of a local-mode run, against the bare engine
+   stepping over the same data in memory in this process, all with one torch thread; runs
+   alternate.
 
-    .venv/bin/python scripts/bench_ray.py [--repeats 2] [--steps 400]
+    .venv/bin/python scripts/bench_ray.py [--repeats 3] [--steps 400]
 
-Targets: at most +1 s to the first step, at most 1.05x steady step time.
+Targets: at most +1 s to the first step against the minimal TorchTrainer, local mode's first
+step at most 0.25x the Ray path's; steady step at most 1.05x the bare engine's inside Ray, at
+most 1.02x in local mode.
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ MINIMAL = textwrap.dedent(
 )
 
 
-def first_step_ours(tmp: Path, data_dir: Path, tag: str) -> float:
-    store = tmp / f"ours-{tag}"
+def first_step_ours(tmp: Path, data_dir: Path, tag: str, local: bool = False) -> float:
+    store = tmp / f"ours-{tag}{'-local' if local else ''}"
     start = time.time()
     cmd = [
         str(ROOT / ".venv/bin/raytrain-loops"),
         "train",
         "default",
+        *(["--local"] if local else []),
         "loop.max_steps=10",
         f"run.storage_path={store}",
         f"data.dir={data_dir}",
@@ -94,15 +99,16 @@ def first_step_minimal(tmp: Path, train: Path, tag: str) -> float:
     return float(out.read_text()) - start
 
 
-def steady_ours(tmp: Path, data_dir: Path, steps: int, tag: str) -> tuple[float, float]:
-    """Median time between consecutive steps, and median time inside the step, of a 1-worker run."""
-    store = tmp / f"steady-{tag}"
+def steady_ours(tmp: Path, data_dir: Path, steps: int, tag: str, local: bool = False) -> tuple[float, float]:
+    """Median time between consecutive steps, and median time inside the step, of a 1-worker run
+    on Ray or in local mode."""
+    store = tmp / f"steady-{tag}{'-local' if local else ''}"
     cmd = [
         str(ROOT / ".venv/bin/raytrain-loops"),
         "train",
         "default",
         f"loop.max_steps={steps}",
-        "scaling.num_workers=1",
+        f"scaling.num_workers={0 if local else 1}",
         "scaling.threads_per_worker=1",
         f"run.storage_path={store}",
         f"data.dir={data_dir}",
@@ -150,7 +156,7 @@ def steady_bare(data_dir: Path, steps: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2, help="alternated first-step runs of each")
+    ap.add_argument("--repeats", type=int, default=3, help="alternated runs of each")
     ap.add_argument("--steps", type=int, default=400, help="steps of the steady-state runs")
     ap.add_argument("--part", choices=["all", "first", "steady"], default="all", help="which measurement to run")
     args = ap.parse_args()
@@ -161,39 +167,44 @@ def main() -> None:
 
         data_dir = tmp / "data"
         train = write_digits_parquet(data_dir / "digits")["train"]
-        ours, minimal = [], []
+        ours, minimal, local = [], [], []
         for r in range(args.repeats if args.part != "steady" else 0):
             minimal.append(first_step_minimal(tmp, train, str(r)))
             ours.append(first_step_ours(tmp, data_dir, str(r)))
+            local.append(first_step_ours(tmp, data_dir, str(r), local=True))
             print(
-                f"first step, run {r}: raytrain-loops {ours[-1]:.2f} s, minimal TorchTrainer {minimal[-1]:.2f} s",
+                f"first step, run {r}: raytrain-loops {ours[-1]:.2f} s, minimal TorchTrainer {minimal[-1]:.2f} s, "
+                f"local mode {local[-1]:.2f} s",
                 flush=True,
             )
-        in_ray, bare, ratios = [], [], []
-        for r in range(args.repeats + 1 if args.part != "first" else 0):
-            (ray_step, ray_compute), (bare_step, bare_compute) = (
-                steady_ours(tmp, data_dir, args.steps, str(r)),
-                steady_bare(data_dir, args.steps),
-            )
-            in_ray.append(ray_step)
-            bare.append(bare_step)
-            ratios.append(ray_step / bare_step)
+        steady: dict[str, list[float]] = {"ray": [], "local": [], "bare": [], "ray_ratio": [], "local_ratio": []}
+        for r in range(args.repeats if args.part != "first" else 0):
+            ray_step, ray_compute = steady_ours(tmp, data_dir, args.steps, str(r))
+            bare_step, bare_compute = steady_bare(data_dir, args.steps)
+            local_step, local_compute = steady_ours(tmp, data_dir, args.steps, str(r), local=True)
+            for key, value in (("ray", ray_step), ("local", local_step), ("bare", bare_step)):
+                steady[key].append(value)
+            steady["ray_ratio"].append(ray_step / bare_step)
+            steady["local_ratio"].append(local_step / bare_step)
             print(
                 f"steady step, run {r}: inside Ray {ray_step * 1e3:.2f} ms (in the step {ray_compute * 1e3:.2f} ms), "
-                f"bare engine {bare_step * 1e3:.2f} ms (in the step {bare_compute * 1e3:.2f} ms), "
-                f"ratio {ratios[-1]:.3f}",
+                f"local mode {local_step * 1e3:.2f} ms (in the step {local_compute * 1e3:.2f} ms), "
+                f"bare engine {bare_step * 1e3:.2f} ms (in the step {bare_compute * 1e3:.2f} ms); "
+                f"ratios {steady['ray_ratio'][-1]:.3f} (Ray), {steady['local_ratio'][-1]:.3f} (local)",
                 flush=True,
             )
     if ours:
-        mo, mm = statistics.median(ours), statistics.median(minimal)
+        mo, mm, ml = statistics.median(ours), statistics.median(minimal), statistics.median(local)
         print(
-            f"time to first step: raytrain-loops {mo:.2f} s, minimal {mm:.2f} s, difference {mo - mm:+.2f} s (target <= +1 s)"
+            f"time to first step: raytrain-loops {mo:.2f} s, minimal {mm:.2f} s, difference {mo - mm:+.2f} s "
+            f"(target <= +1 s); local mode {ml:.2f} s, {ml / mo:.3f}x the Ray path (target <= 0.25x)"
         )
-    if in_ray:
+    if steady["ray"]:
+        med = {k: statistics.median(v) for k, v in steady.items()}
         print(
-            f"steady step time: inside Ray {statistics.median(in_ray) * 1e3:.2f} ms, bare engine "
-            f"{statistics.median(bare) * 1e3:.2f} ms; ratio, median of the runs' ratios {statistics.median(ratios):.3f} "
-            "(target <= 1.05)"
+            f"steady step time: inside Ray {med['ray'] * 1e3:.2f} ms, local mode {med['local'] * 1e3:.2f} ms, bare "
+            f"engine {med['bare'] * 1e3:.2f} ms; median of the runs' ratios: {med['ray_ratio']:.3f} inside Ray "
+            f"(target <= 1.05), {med['local_ratio']:.3f} local (target <= 1.02)"
         )
 
 

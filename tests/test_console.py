@@ -115,6 +115,21 @@ def test_forwarded_output_goes_to_ray_log_except_this_projects_warnings(tmp_path
     assert out.getvalue() == "warning: checkpoint /r/checkpoint_00000018 is unusable, trying the one before\n"
 
 
+def test_the_raylets_messages_go_to_ray_log_and_rays_printer_comes_back_after(tmp_path, capfd):
+    import ray._private.worker as ray_worker
+
+    rays = ray_worker.print_to_stdstream
+    raylet = {"pid": "raylet", "is_err": False, "lines": ["WARNING: 12 PYTHON worker processes have been started"]}
+    with Console(str(tmp_path), display=Display(io.StringIO())) as console:
+        console.divert_forwarded()  # what start() does once Ray is up
+        ray_worker.print_to_stdstream(raylet, ignore_prefix=False)  # as Ray's error listener calls it
+        ray_worker.print_to_stdstream({"pid": 7, "is_err": False, "lines": ["a worker's own line"]}, False)
+    seen = capfd.readouterr().out
+    assert "(raylet pid=raylet) WARNING: 12 PYTHON worker processes" in (tmp_path / "ray.log").read_text()
+    assert "12 PYTHON" not in seen and "a worker's own line" in seen  # anything else: as Ray prints it
+    assert ray_worker.print_to_stdstream is rays
+
+
 class ChangedDispatcher:
     """Ray's dispatcher of forwarded output as another Ray version might keep it: its handlers by
     name, under another lock. It starts with Ray's own handler, ``rays``."""

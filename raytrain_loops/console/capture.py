@@ -104,6 +104,7 @@ class Console:
         self.feed = None
         self._saved_loggers: dict[str, tuple[list, bool]] = {}
         self._dispatcher: Any = None  # Ray's dispatcher of forwarded output, while diverted
+        self._saved_print: tuple[Any, Any] | None = None  # Ray's printer of the raylet's messages, while diverted
         self._saved_dispatch: list = []
         self._showwarning: Callable | None = None
         self._stop = threading.Event()
@@ -162,6 +163,8 @@ class Console:
             self.log.write(text)
 
     def _route_loggers(self) -> None:
+        import ray  # noqa: F401 -- Ray sets its loggers' handlers when imported: routed before, they would be undone
+
         handler = _ToRayLog(self.log)
         for name in RAY_LOGGERS:
             logger = logging.getLogger(name)
@@ -209,6 +212,29 @@ class Console:
             self._to_log(f"console: Ray's forwarded output is shown as Ray prints it ({root_cause(err)})")
             return
         self._dispatcher, self._saved_dispatch = dispatcher, saved
+        self._divert_raylet_messages()
+
+    def _divert_raylet_messages(self) -> None:
+        """The raylet's messages to the driver (``(raylet) WARNING: 12 PYTHON worker processes
+        have been started...``) to ``ray.log`` too: Ray prints them straight to stdout from its
+        error listener (``ray._private.worker.print_to_stdstream``), not through the dispatcher.
+        Left alone when that function is not where this expects it."""
+        try:
+            import ray._private.worker as ray_worker
+
+            original = ray_worker.print_to_stdstream
+        except Exception as err:
+            self._to_log(f"console: the raylet's messages are shown as Ray prints them ({root_cause(err)})")
+            return
+
+        def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
+            if data.get("pid") == "raylet":
+                self._forwarded({**data, "actor_name": "raylet"})
+            else:
+                original(data, ignore_prefix)
+
+        ray_worker.print_to_stdstream = routed
+        self._saved_print = (ray_worker, original)
 
     def _forwarded(self, data: dict[str, Any]) -> None:
         """Ray's log thread calls this for each batch of a process's lines: an exception here
@@ -251,3 +277,7 @@ class Console:
         if self._dispatcher is not None:
             self._put_back(self._dispatcher, self._saved_dispatch)
             self._dispatcher, self._saved_dispatch = None, []
+        if self._saved_print is not None:
+            module, original = self._saved_print
+            module.print_to_stdstream = original
+            self._saved_print = None

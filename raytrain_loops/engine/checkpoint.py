@@ -366,6 +366,15 @@ def export(directory: str | Path, out: str | Path) -> dict[str, Any]:
     model's weights (``model``), the EMA's when there are any (``ema``) and the counters, keyed
     as the plain model's ``state_dict``. Verifies the checkpoint first and reads it without
     running code; returns what it wrote."""
+    result = whole_model(directory)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save(result, f))
+    return result
+
+
+def whole_model(directory: str | Path) -> dict[str, Any]:
+    """What :func:`export` writes, read from the checkpoint ``directory`` (verified first)."""
     d = Path(directory)
     verify(d)
     shared = read_file(d, STATE)
@@ -378,8 +387,4 @@ def export(directory: str | Path, out: str | Path) -> dict[str, Any]:
         except dcp_io.CheckpointException as err:
             raise _dcp_failure(err, d, "reading the sharded state") from None
         shared = {**shared, **full}
-    result = {"model": shared["model"], "ema": shared.get("ema"), "counters": shared.get("counters", {})}
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda f: torch.save(result, f))
-    return result
+    return {"model": shared["model"], "ema": shared.get("ema"), "counters": shared.get("counters", {})}

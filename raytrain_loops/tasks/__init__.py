@@ -22,6 +22,7 @@ BUILTIN_PATHS = {
     "lm": ("raytrain_loops.tasks.lm", "LMTask"),
     "seamseg": ("raytrain_loops.tasks.seamseg", "SeamsegTask"),
     "images": ("raytrain_loops.tasks.images", "ImagesTask"),
+    "hf_lm": ("raytrain_loops.tasks.hf_lm", "HFLMTask"),
 }
 _CLASSES = {cls: module for module, cls in BUILTIN_PATHS.values()}
 
@@ -45,6 +46,7 @@ __all__ = [
     "DigitsTask",
     "DinoTask",
     "EvalOutput",
+    "HFLMTask",
     "ImagesTask",
     "LMTask",
     "MapSplit",

@@ -1,0 +1,231 @@
+"""Any Hugging Face ``transformers`` causal language model, trained or fine-tuned through this
+loop (fairseq's normalisation by target tokens over all workers, exact resume, the engine's
+non-finite and OOM decisions) on a user's own text, with a real tokenizer.
+
+``model``: a local model directory (``config.json``; its safetensors weights, when present, are
+loaded: fine-tuning) or an inline config (``model_type`` and its fields: training from scratch).
+``tokenizer``: a local tokenizer directory, or ``{train: {vocab_size: N}}``, a byte-level BPE
+trained on the training text once on the driver (cached by its inputs). ``text``: ``{train:
+[files or directories], eval: [...], key: text}`` of JSONL or Parquet, or, empty, the Python
+standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the documents, an
+``EOS`` after each, into rows of text that tokenize to ``max_len + 1`` tokens (a Parquet file per
+split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the criterion sums the
+cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
+token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
+``lm`` recipe's). No network access: hub look-ups are off.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_loops.config import ConfigError
+from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
+from raytrain_loops.tasks.hf_text import (
+    EOS,
+    FORMAT,
+    digest,
+    read_documents,
+    require_hf,
+    stdlib_documents,
+    train_bpe,
+    write_rows,
+)
+
+IGNORE = -100
+LN2 = math.log(2.0)
+# GPT-2's shape at a size a CPU trains: the recipe's default model.
+SMALL_GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 512}
+
+
+class HFLMTask(Task):
+    """A ``transformers`` causal LM on packed text (see the module's docstring for the params)."""
+
+    def __init__(
+        self,
+        model: str | dict = SMALL_GPT2,
+        tokenizer: str | dict | None = None,
+        text: dict | None = None,
+        max_len: int = 256,
+        val_percent: float = 2.0,
+    ):
+        require_hf()
+        self.model = model if isinstance(model, dict) else str(Path(model).expanduser().resolve())
+        self.tokenizer = tokenizer if tokenizer is not None else {"train": {"vocab_size": 4096}}
+        self.text = dict(text or {})
+        self.max_len, self.val_percent = max_len, val_percent
+        _check(self.model, self.tokenizer, self.text, max_len)
+        self.tokenizer_dir: str | None = None  # set by prepare() (or tokenizer_at()), shipped with the task
+        self.vocab_size = 0
+        self.eos_id = 0
+        self._tok = None
+
+    # ------------------------------------------------------------------ data, on the driver
+
+    def _documents(self) -> tuple[list[str], list[str]]:
+        if not self.text:
+            return stdlib_documents(self.val_percent)
+        key = self.text.get("key", "text")
+        train = read_documents(list(self.text["train"]), key, "task.params.text.train")
+        if self.text.get("eval"):
+            return train, read_documents(list(self.text["eval"]), key, "task.params.text.eval")
+        cut = max(1, int(len(train) * self.val_percent / 100))
+        return train[cut:], train[:cut]
+
+    def data_subdir(self, data_dir: Path) -> Path:
+        return data_dir / "hf_lm" / f"{digest(FORMAT, self.text, self.val_percent, self.tokenizer, self.max_len)}"
+
+    def tokenizer_at(self, data_dir: Path, train_docs: list[str] | None = None) -> str:
+        """The tokenizer's directory: the one named, or the BPE trained on the training text
+        (trained now when ``train_docs`` are given and it is not cached)."""
+        if isinstance(self.tokenizer, str):
+            return str(Path(self.tokenizer).expanduser().resolve())
+        out = data_dir / "hf_lm" / f"bpe-{digest(FORMAT, self.text, self.val_percent, self.tokenizer)}"
+        if train_docs is not None:
+            train_bpe(train_docs, int(self.tokenizer["train"]["vocab_size"]), out)
+        if not (out / "tokenizer.json").exists():
+            raise ConfigError("task.params.tokenizer", f"no trained tokenizer in {out}: run the task's prepare first")
+        return str(out)
+
+    def load_tokenizer(self, path: str) -> None:
+        """Use the fast tokenizer of the directory ``path``."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not tok.is_fast:
+            raise ConfigError("task.params.tokenizer", f"{path} has no fast (tokenizers) tokenizer.json")
+        eos = tok.eos_token or EOS
+        self.tokenizer_dir, self.vocab_size = path, len(tok)
+        self.eos_id = tok.convert_tokens_to_ids(eos)
+        self._tok = tok
+
+    def prepare(self, data_dir: Path) -> None:
+        out = self.data_subdir(data_dir)
+        done = (out / "train.parquet").exists() and (out / "valid.parquet").exists()
+        docs = None if done and not isinstance(self.tokenizer, dict) else self._documents()
+        self.load_tokenizer(self.tokenizer_at(data_dir, docs[0] if docs else None))
+        if done:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        for split, split_docs in zip(("train", "valid"), docs, strict=True):
+            write_rows(self._tok, split_docs, self.max_len, out / f"{split}.parquet")
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        base = self.data_subdir(data_dir)
+        return {
+            "train": ParquetSplit(str(base / "train.parquet"), ["text", "bytes"]),
+            "eval": ParquetSplit(str(base / "valid.parquet"), ["text", "bytes"]),
+        }
+
+    # ------------------------------------------------------------------ on the workers
+
+    def _tokenizer(self):
+        if self._tok is None:
+            self.load_tokenizer(self.tokenizer_dir)
+        return self._tok
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": None}  # loaded again where it is used
+
+    def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+        """Each row's text tokenized into ``max_len + 1`` ids (right-padded with EOS; ``n``: how
+        many are real)."""
+        size = self.max_len + 1
+        encoded = self._tokenizer()(list(batch["text"]), add_special_tokens=False)["input_ids"]
+        ids = np.full((len(encoded), size), self.eos_id, dtype=np.int32)
+        n = np.zeros(len(encoded), dtype=np.int32)
+        for i, row in enumerate(encoded):
+            row = row[:size]
+            ids[i, : len(row)] = row
+            n[i] = len(row)
+        return {"ids": ids, "n": n, "bytes": np.asarray(batch["bytes"], dtype=np.int64)}
+
+    def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``(inputs, targets, target tokens, target bytes)``; targets past a row's end are IGNORE."""
+        ids = torch.as_tensor(np.stack(batch["ids"]).astype(np.int64))
+        n = torch.as_tensor(np.asarray(batch["n"], dtype=np.int64))
+        inputs, targets = ids[:, :-1], ids[:, 1:].clone()
+        targets[torch.arange(targets.shape[1]) >= (n - 1).unsqueeze(1)] = IGNORE
+        return inputs, targets, int((targets != IGNORE).sum()), int(np.sum(batch["bytes"]))
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if isinstance(self.model, dict):
+            fields = {k: v for k, v in self.model.items() if k != "model_type"}
+            config = AutoConfig.for_model(self.model["model_type"], **fields)
+            if self.vocab_size:  # the tokenizer's size, rounded up to 64 (a multiple that suits matmuls)
+                config.vocab_size = -(-self.vocab_size // 64) * 64
+            config.eos_token_id = config.bos_token_id = config.pad_token_id = self.eos_id
+            return AutoModelForCausalLM.from_config(config)
+        weights = any(Path(self.model).glob("*.safetensors"))
+        if weights:
+            return AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, use_safetensors=True)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model, local_files_only=True))
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer layers, found from the model: the modules of the classes its
+        ``_no_split_modules`` names (what ``transformers`` itself keeps whole), else the
+        children of its largest list of modules of one class."""
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
+        if not lists:
+            return []
+        return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+    def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
+        inputs, targets, ntokens, nbytes = batch
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        logs = {"bpb": loss.detach() / (max(nbytes, 1) * LN2)}
+        return LossOutput(loss, sample_size=ntokens, logs=logs)
+
+    def evaluate(self, model: nn.Module, batch) -> EvalOutput:
+        inputs, targets, ntokens, nbytes = batch
+        logits = model(input_ids=inputs).logits.float()
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        return {"loss": (nll / max(ntokens, 1), ntokens), "bpb": (nll / (max(nbytes, 1) * LN2), nbytes)}
+
+    # ------------------------------------------------------------------ export
+
+    def export_pretrained(self, weights: dict[str, torch.Tensor], out: str | Path) -> None:
+        """``out``: a directory ``AutoModelForCausalLM.from_pretrained`` and
+        ``AutoTokenizer.from_pretrained`` load: the config, ``weights`` as safetensors, the
+        tokenizer."""
+        model = self.build_model()
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"the checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        model.save_pretrained(str(out), safe_serialization=True)
+        self._tokenizer().save_pretrained(str(out))
+
+
+def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
+    if isinstance(model, dict):
+        if "model_type" not in model:
+            raise ConfigError("task.params.model", "an inline config needs model_type (gpt2, llama, ...)")
+    elif not (Path(model) / "config.json").exists():
+        raise ConfigError("task.params.model", f"{model!r} has no config.json (a local model directory)")
+    if isinstance(tokenizer, dict):
+        size = tokenizer.get("train", {}).get("vocab_size") if isinstance(tokenizer.get("train"), dict) else None
+        if not isinstance(size, int) or size < 300:
+            raise ConfigError("task.params.tokenizer", f"train needs vocab_size, an integer >= 300; got {tokenizer}")
+    elif not (Path(tokenizer).expanduser() / "tokenizer.json").exists():
+        raise ConfigError("task.params.tokenizer", f"{tokenizer!r} has no tokenizer.json (a local tokenizer directory)")
+    unknown = set(text) - {"train", "eval", "key"}
+    if unknown or (text and "train" not in text):
+        raise ConfigError("task.params.text", f"takes train, eval and key; got {sorted(text)}")
+    if max_len < 2:
+        raise ConfigError("task.params.max_len", f"must be >= 2; got {max_len}")

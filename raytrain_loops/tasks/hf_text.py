@@ -1,0 +1,168 @@
+"""Text for the ``hf_lm`` task, without a network: documents from JSONL or Parquet files (or the
+Python standard library's source), a byte-level BPE trained on them with Hugging Face
+``tokenizers`` (cached by its inputs), and the one-off packing of the documents into rows of
+text that each tokenize to one training sequence (written to Parquet, cached by its inputs).
+The rows are tokenized again in ``Task.preprocess``, on Ray Data's CPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from raytrain_loops.config import ConfigError
+
+EOS = "<|endoftext|>"
+FORMAT = 1  # bump when the packing rules or the row layout change (a new cache directory)
+
+
+def require_hf() -> None:
+    """The ``hf`` extra's libraries, or an error that says which extra to install."""
+    missing = []
+    for module in ("transformers", "tokenizers", "safetensors"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ConfigError(
+            "task.name",
+            f"hf_lm needs {', '.join(missing)}: install the hf extra, pip install 'raytrain-loops[hf]'",
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never a hub look-up
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _files(paths: list[str], key: str) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if path.is_dir():
+            out.extend(sorted(f for f in path.rglob("*") if f.suffix in (".jsonl", ".parquet")))
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise ConfigError(key, f"{p!r} is neither a file nor a directory")
+    if not out:
+        raise ConfigError(key, f"no .jsonl or .parquet file in {paths}")
+    return out
+
+
+def read_documents(paths: list[str], text_key: str, key: str) -> list[str]:
+    """Every document of ``paths`` (JSONL lines or Parquet rows; directories searched for both),
+    in a fixed order; an error naming the file when a row lacks ``text_key``."""
+    docs: list[str] = []
+    for f in _files(paths, key):
+        if f.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(f)
+            if text_key not in table.column_names:
+                raise ConfigError("task.params.text_key", f"{str(f)!r} has no column {text_key!r}")
+            docs.extend(str(t) for t in table.column(text_key).to_pylist() if t)
+            continue
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if text_key not in row:
+                raise ConfigError("task.params.text_key", f"{str(f)!r} line {n} has no key {text_key!r}")
+            docs.append(str(row[text_key]))
+    return docs
+
+
+def stdlib_documents(val_percent: float) -> tuple[list[str], list[str]]:
+    """The standard library's ``.py`` files as documents, split by a hash of their path (the
+    ``lm`` task's split)."""
+    from raytrain_loops.tasks.lm import is_validation, source_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, valid = [], []
+    for f in source_files(root):
+        text = f.read_text(encoding="utf-8", errors="replace")
+        (valid if is_validation(str(f.relative_to(root)), val_percent) else train).append(text)
+    return train, valid
+
+
+def digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else json.dumps(p, sort_keys=True).encode())
+    return h.hexdigest()[:10]
+
+
+def train_bpe(docs: list[str], vocab_size: int, out: Path) -> Path:
+    """A byte-level BPE of ``vocab_size`` tokens (``EOS`` among them) trained on ``docs``, saved
+    as a Hugging Face tokenizer directory ``out`` (written under a temporary name, then renamed);
+    returned as is when it exists."""
+    if (out / "tokenizer.json").exists():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    fast.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+def chunks(tokenizer: Any, docs: list[str], max_len: int) -> Iterator[tuple[str, int]]:
+    """The documents, ``EOS`` after each, cut into pieces of ``max_len + 1`` tokens (the inputs
+    and the targets shifted by one; the last piece may be shorter): each piece's text (``EOS`` as
+    its literal, which the tokenizer reads back as the one token) and the bytes of text that its
+    targets cover (the first token is no target)."""
+    size = max_len + 1
+    text: list[str] = []
+    covered, held = 0, 0
+    for doc in docs:
+        offsets = [*tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], None]
+        i = 0
+        while i < len(offsets):
+            part = offsets[i : i + size - held]  # None: the EOS after the document
+            real = [o for o in part if o is not None]
+            if real:
+                text.append(doc[real[0][0] : real[-1][1]])
+                low = real[0][1] if held == 0 else real[0][0]  # a chunk's first token is no target
+                covered += len(doc[low : real[-1][1]].encode())
+            if part[-1] is None:
+                text.append(EOS)
+            held += len(part)
+            i += len(part)
+            if held == size:
+                yield "".join(text), covered
+                text, covered, held = [], 0, 0
+    if held > 1:
+        yield "".join(text), covered
+
+
+def write_rows(tokenizer: Any, docs: list[str], max_len: int, path: Path) -> int:
+    """The packed rows of ``docs`` (:func:`chunks`) as ``path``, a Parquet file of ``text`` and
+    ``bytes`` columns in row groups of 128 (written under a temporary name, then renamed);
+    returns the row count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = list(chunks(tokenizer, docs, max_len))
+    if not rows:
+        raise ConfigError("task.params.text", f"no text to train on for {path.name}")
+    table = pa.table({"text": [r[0] for r in rows], "bytes": pa.array([r[1] for r in rows], pa.int64())})
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    pq.write_table(table, tmp, row_group_size=128)
+    os.replace(tmp, path)
+    return len(rows)

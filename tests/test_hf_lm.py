@@ -1,0 +1,230 @@
+"""The hf_lm task: a transformers causal LM with a BPE trained on the driver, text packed once and
+tokenized in ``Task.preprocess``, trained in local mode (the loop is the same on Ray), exported as
+a directory transformers loads, and fine-tuned from it. Tiny configs; the recipe's figures are in
+the README."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raytrain_loops import fit
+from raytrain_loops.config import ConfigError
+from raytrain_loops.data.parquet import ROW_SEED
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+
+
+def _corpus(path: Path, docs: int, seed: int, sentence: str) -> Path:
+    """JSONL documents of a small repetitive language (a model learns it in a few dozen steps)."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for d in range(docs):
+            words = [WORDS[(d + i) % len(WORDS)] for i in range(int(rng.integers(5, 40)))]
+            f.write(json.dumps({"body": f"{sentence} {d}: " + " ".join(words) + ". é ü"}) + "\n")
+    return path
+
+
+def _config(tmp_path: Path, name: str, **params) -> dict:
+    return {
+        "task": {"name": "hf_lm", "params": {"max_len": 32, **params}},
+        "loop": {"max_steps": 60, "seed": 0},
+        "loss": {"reduction": "sum"},
+        "data": {"dir": str(tmp_path / "data"), "batch_size": 8, "eval_batch_size": 16},
+        "optim": {"name": "adamw"},
+        "schedules": {"lr": {"kind": "cosine", "value": 1e-2, "end": 1e-4, "warmup_steps": 5}},
+        "eval": {"every_steps": 30},
+        "checkpoint": {"every_steps": 30},
+        "scaling": {"num_workers": 0},
+        "logging": {"every_steps": 10},
+        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "progress": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("text")
+    return {
+        "train": [str(_corpus(root / "train" / "a.jsonl", 300, 0, "the list"))],
+        "eval": [str(_corpus(root / "eval.jsonl", 40, 1, "the list"))],
+        "key": "body",
+    }
+
+
+def test_packed_rows_tokenize_to_one_sequence_each_and_count_the_bytes_their_targets_cover(tmp_path, corpus):
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+    from raytrain_loops.tasks.hf_text import EOS, read_documents
+
+    task = HFLMTask(model=TINY_GPT2, tokenizer={"train": {"vocab_size": 400}}, text=corpus, max_len=32)
+    task.prepare(tmp_path)
+    tok = task._tokenizer()
+    assert len(tok) == 400 and tok.convert_ids_to_tokens(task.eos_id) == EOS
+    table = pq.read_table(task.splits(tmp_path)["train"].path)
+    texts, nbytes = table.column("text").to_pylist(), table.column("bytes").to_pylist()
+    docs = read_documents(corpus["train"], "body", "train")
+    # Every document once, an EOS after each, in order; rows are whole sequences of 33 tokens.
+    joined = "".join(texts)
+    assert joined.count(EOS) == len(docs)  # the eval split is its own files
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert max(lengths) <= 33 and np.mean(lengths[:-1]) > 32.5, lengths[:20]
+    # The bytes counted are the text's, less each row's first token (no target), EOS counting none.
+    text_bytes = sum(len(t.replace(EOS, "").encode()) for t in texts)
+    assert text_bytes - 6 * len(texts) <= sum(nbytes) < text_bytes
+    # preprocess: one row per row, ids padded with EOS and n the real ones; collate masks the rest.
+    rows = {"text": np.array(texts[-3:], dtype=object), "bytes": np.array(nbytes[-3:]), ROW_SEED: np.zeros(3)}
+    out = task.preprocess(rows, train=True)
+    assert out["ids"].shape == (3, 33) and list(out["n"]) == lengths[-3:]
+    inputs, targets, ntokens, covered = task.collate(out)
+    assert ntokens == sum(n - 1 for n in lengths[-3:]) == int((targets != -100).sum())
+    assert covered == sum(nbytes[-3:]) and torch.equal(inputs[:, 1:][targets[:, :-1] != -100], targets[:, :-1][targets[:, :-1] != -100])
+
+
+@pytest.mark.parametrize("config,block", [(TINY_GPT2, "GPT2Block"), (TINY_LLAMA, "LlamaDecoderLayer")])
+def test_the_transformer_layers_are_the_blocks_found_from_the_model(config, block):
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    task = HFLMTask(model=config, tokenizer={"train": {"vocab_size": 400}})
+    task.vocab_size, task.eos_id = 400, 0
+    model = task.build_model()
+    blocks = task.blocks(model)
+    layers = config.get("n_layer", config.get("num_hidden_layers"))
+    assert [type(b).__name__ for b in blocks] == [block] * layers
+    assert model.config.vocab_size == 448  # the tokenizer's 400, rounded up to 64
+
+
+def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tunes_from_it(tmp_path, corpus):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = fit(_config(tmp_path, "scratch", model=TINY_GPT2, text=corpus))
+    evals = [json.loads(line) for line in (Path(result.run_dir) / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [30, 60]
+    metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["loss"] < 0.5 * metrics[0]["loss"], [m["loss"] for m in metrics]
+    assert evals[-1]["eval_bpb"] < evals[0]["eval_bpb"] and 0 < evals[-1]["eval_bpb"] < 4, evals
+
+    out = tmp_path / "exported"
+    cli = subprocess.run(
+        [sys.executable, "-m", "raytrain_loops.cli", "export", result.checkpoint, str(out), "--format", "hf"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "wrote" in cli.stdout and (out / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    from raytrain_loops.engine import checkpoint as ckpt
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    ours = HFLMTask(model=TINY_GPT2, text=corpus, max_len=32)
+    ours.prepare(Path(tmp_path / "data"))
+    mine = ours.build_model().eval()
+    mine.load_state_dict(ckpt.read_file(result.checkpoint, ckpt.STATE)["model"])
+    ids = torch.tensor([tokenizer("the list 3: alpha beta gamma")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, mine(input_ids=ids).logits)
+
+    # Fine-tuning from the exported directory, on other text: its first steps start where the
+    # exported model ended, far below a fresh model's loss.
+    other = {"train": [str(_corpus(tmp_path / "other.jsonl", 200, 5, "the list"))], "key": "body"}
+    tuned = fit(_config(tmp_path, "tuned", model=str(out), tokenizer=str(out), text=other))
+    first = json.loads((Path(tuned.run_dir) / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] < 0.6 * metrics[0]["loss"], (first["loss"], metrics[0]["loss"])
+
+
+def test_bad_params_and_a_missing_extra_are_named_before_anything_runs(monkeypatch, tmp_path):
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    with pytest.raises(ConfigError, match="task.params.model: an inline config needs model_type"):
+        HFLMTask(model={"n_layer": 2})
+    with pytest.raises(ConfigError, match="task.params.model: .* has no config.json"):
+        HFLMTask(model=str(tmp_path))
+    with pytest.raises(ConfigError, match="task.params.tokenizer: train needs vocab_size"):
+        HFLMTask(tokenizer={"train": {}})
+    with pytest.raises(ConfigError, match=r"task.params.text: takes train, eval and key; got \['eval'\]"):
+        HFLMTask(text={"eval": ["x"]})
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as without the extra
+    with pytest.raises(ConfigError, match=r"task.name: hf_lm needs transformers: .*raytrain-loops\[hf\]"):
+        HFLMTask()
+
+
+def test_the_base_install_does_not_import_transformers():
+    code = (
+        "import sys, raytrain_loops, raytrain_loops.cli, raytrain_loops.tasks, raytrain_loops.runtime.local; "
+        "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def _hf_updates(rank: int, world: int, configs: list[dict]) -> dict:
+    """Each config's model after 3 updates under DDP and under FSDP2 with its found blocks sharded
+    one by one and checkpointed (activation checkpointing), on this worker's own token batches."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_loops.engine import Engine
+    from raytrain_loops.engine.distributed.sharding import prepare_model, shard
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+    from tests import fakes
+
+    engine_config = fakes.config("optim.name=adamw", "schedules.lr.value=0.01", "loss.reduction=sum").engine
+    out = {}
+    for config in configs:
+        task = HFLMTask(model=config, tokenizer={"train": {"vocab_size": 400}})
+        task.vocab_size, task.eos_id = 400, 0
+        results = {}
+        for strategy in ("ddp", "fsdp"):
+            torch.manual_seed(0)
+            model = task.build_model()
+            if strategy == "ddp":
+                model = DDP(model)
+            else:
+                blocks = task.blocks(model)
+                prepare_model(model, blocks, checkpointing="full")
+                shard(model, blocks, torch.device("cpu"), "fp32")
+            engine = Engine(model, task.criterion, engine_config, total_steps=3)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                ids = torch.randint(1, 400, (4, 17), generator=g).numpy()
+                batch = task.collate({"ids": ids, "n": np.full(4, 17 - rank), "bytes": np.full(4, 40)})
+                assert engine.train_step([batch]).applied
+            state = engine.module.state_dict()
+            results[strategy] = {
+                k.removeprefix("module."): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in state.items()
+            }
+        out[config["model_type"]] = results
+    return out
+
+
+def test_gpt2_and_llama_configs_train_alike_under_fsdp2_on_their_found_blocks_and_under_ddp():
+    from tests.gloo import run_gloo
+
+    outcomes = run_gloo(2, _hf_updates, [TINY_GPT2, TINY_LLAMA], timeout=300)
+    assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
+    for name in ("gpt2", "llama"):
+        ddp, fsdp = outcomes[0].value[name]["ddp"], outcomes[1].value[name]["fsdp"]
+        assert ddp.keys() == fsdp.keys() and len(ddp) > 10, name
+        for key in ddp:
+            torch.testing.assert_close(fsdp[key], ddp[key], atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
