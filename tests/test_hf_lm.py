@@ -228,3 +228,47 @@ def test_gpt2_and_llama_configs_train_alike_under_fsdp2_on_their_found_blocks_an
         assert ddp.keys() == fsdp.keys() and len(ddp) > 10, name
         for key in ddp:
             torch.testing.assert_close(fsdp[key], ddp[key], atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
+
+
+def test_the_found_blocks_compile_regionally_with_the_same_names_loss_and_gradients():
+    from torch._dynamo.utils import counters
+
+    from raytrain_loops.config.engine import CompileConfig
+    from raytrain_loops.engine.distributed.sharding import prepare_model
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    no_dropout = {**TINY_GPT2, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # no random draws to differ
+    task = HFLMTask(model=no_dropout, tokenizer={"train": {"vocab_size": 400}})
+    task.vocab_size, task.eos_id = 400, 0
+    ids = torch.randint(1, 400, (2, 17), generator=torch.Generator().manual_seed(0)).numpy()
+    batch = task.collate({"ids": ids, "n": np.array([17, 12]), "bytes": np.array([40, 30])})
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = task.build_model()
+        names = list(model.state_dict())
+        counters.clear()
+        if compiled:
+            prepare_model(model, task.blocks(model), compile_cfg=CompileConfig(enabled=True))
+        out = task.criterion(model, batch, None)
+        out.loss.backward()
+        assert list(model.state_dict()) == names
+        results.append((out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert counters["stats"]["unique_graphs"] >= 1, "the blocks were not compiled"
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_path, corpus):
+    from raytrain_loops.engine import checkpoint as ckpt
+
+    whole = fit(_config(tmp_path, "whole", model=TINY_LLAMA, text=corpus))
+    cut = _config(tmp_path, "cut", model=TINY_LLAMA, text=corpus)
+    cut["fault"] = {"plan": [{"step": 30, "kind": "raise"}]}  # mid-epoch, just checkpointed
+    with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 30"):
+        fit(cut)
+    resumed = fit(cut)
+    assert resumed.metrics["step"] == whole.metrics["step"] == 60
+    a, b = (ckpt.read_file(r.checkpoint, ckpt.STATE)["model"] for r in (whole, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
