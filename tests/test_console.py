@@ -120,13 +120,18 @@ def test_the_raylets_messages_go_to_ray_log_and_rays_printer_comes_back_after(tm
 
     rays = ray_worker.print_to_stdstream
     raylet = {"pid": "raylet", "is_err": False, "lines": ["WARNING: 12 PYTHON worker processes have been started"]}
-    with Console(str(tmp_path), display=Display(io.StringIO())) as console:
+    oom = {"pid": "raylet", "is_err": False, "lines": ["1 Workers killed due to memory pressure (OOM)"]}
+    shown = io.StringIO()
+    with Console(str(tmp_path), display=Display(shown)) as console:
         console.divert_forwarded()  # what start() does once Ray is up
         ray_worker.print_to_stdstream(raylet, ignore_prefix=False)  # as Ray's error listener calls it
+        ray_worker.print_to_stdstream(oom, ignore_prefix=False)
         ray_worker.print_to_stdstream({"pid": 7, "is_err": False, "lines": ["a worker's own line"]}, False)
     seen = capfd.readouterr().out
-    assert "(raylet pid=raylet) WARNING: 12 PYTHON worker processes" in (tmp_path / "ray.log").read_text()
-    assert "12 PYTHON" not in seen and "a worker's own line" in seen  # anything else: as Ray prints it
+    log = (tmp_path / "ray.log").read_text()
+    assert "(raylet pid=raylet) WARNING: 12 PYTHON worker processes" in log and "killed due to memory" in log
+    assert "12 PYTHON" not in seen + shown.getvalue() and "a worker's own line" in seen  # else: as Ray prints it
+    assert shown.getvalue() == "(raylet) 1 Workers killed due to memory pressure (OOM)\n"  # what a user must see
     assert ray_worker.print_to_stdstream is rays
 
 

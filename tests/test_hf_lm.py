@@ -46,7 +46,7 @@ def _corpus(path: Path, docs: int, seed: int, sentence: str) -> Path:
 
 def _config(tmp_path: Path, name: str, **params) -> dict:
     return {
-        "task": {"name": "hf_lm", "params": {"max_len": 32, **params}},
+        "task": {"name": "hf_lm", "params": {"max_len": 32, "text_key": "body", **params}},
         "loop": {"max_steps": 60, "seed": 0},
         "loss": {"reduction": "sum"},
         "data": {"dir": str(tmp_path / "data"), "batch_size": 8, "eval_batch_size": 16},
@@ -66,7 +66,6 @@ def corpus(tmp_path_factory) -> dict:
     return {
         "train": [str(_corpus(root / "train" / "a.jsonl", 300, 0, "the list"))],
         "eval": [str(_corpus(root / "eval.jsonl", 40, 1, "the list"))],
-        "key": "body",
     }
 
 
@@ -74,28 +73,33 @@ def test_packed_rows_tokenize_to_one_sequence_each_and_count_the_bytes_their_tar
     from raytrain_loops.tasks.hf_lm import HFLMTask
     from raytrain_loops.tasks.hf_text import EOS, read_documents
 
-    task = HFLMTask(model=TINY_GPT2, tokenizer={"train": {"vocab_size": 400}}, text=corpus, max_len=32)
+    task = HFLMTask(model=TINY_GPT2, tokenizer={"train": {"vocab_size": 400}}, text=corpus, text_key="body", max_len=32)
     task.prepare(tmp_path)
     tok = task._tokenizer()
     assert len(tok) == 400 and tok.convert_ids_to_tokens(task.eos_id) == EOS
-    table = pq.read_table(task.splits(tmp_path)["train"].path)
-    texts, nbytes = table.column("text").to_pylist(), table.column("bytes").to_pylist()
+    texts = pq.read_table(task.splits(tmp_path)["train"].path).column("text").to_pylist()
     docs = read_documents(corpus["train"], "body", "train")
-    # Every document once, an EOS after each, in order; rows are whole sequences of 33 tokens.
+    # Every document once, in order, the end token after each; rows are whole sequences of 33 tokens.
     joined = "".join(texts)
-    assert joined.count(EOS) == len(docs)  # the eval split is its own files
+    assert joined.split(EOS)[:-1] == docs
     lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     assert max(lengths) <= 33 and np.mean(lengths[:-1]) > 32.5, lengths[:20]
-    # The bytes counted are the text's, less each row's first token (no target), EOS counting none.
-    text_bytes = sum(len(t.replace(EOS, "").encode()) for t in texts)
-    assert text_bytes - 6 * len(texts) <= sum(nbytes) < text_bytes
-    # preprocess: one row per row, ids padded with EOS and n the real ones; collate masks the rest.
-    rows = {"text": np.array(texts[-3:], dtype=object), "bytes": np.array(nbytes[-3:]), ROW_SEED: np.zeros(3)}
+    # preprocess: one row per row, ids padded with the end token, n the real ones, and the bytes of
+    # text the targets cover (all of the row's text but its first token's and the end tokens').
+    rows = {"text": np.array(texts, dtype=object), ROW_SEED: np.zeros(len(texts))}
     out = task.preprocess(rows, train=True)
-    assert out["ids"].shape == (3, 33) and list(out["n"]) == lengths[-3:]
-    inputs, targets, ntokens, covered = task.collate(out)
+    assert out["ids"].shape == (len(texts), 33) and list(out["n"]) == lengths
+    first = [len(tok.decode(tok(t, add_special_tokens=False)["input_ids"][:1]).encode()) for t in texts]
+    text_bytes = [len(t.replace(EOS, "").encode()) for t in texts]
+    starts_with_eos = [t.startswith(EOS) for t in texts]
+    expected = [b - (0 if e else f) for b, f, e in zip(text_bytes, first, starts_with_eos, strict=True)]
+    assert list(out["bytes"]) == expected
+    part = {k: v[-3:] for k, v in out.items()}
+    inputs, targets, ntokens, covered = task.collate(part)
     assert ntokens == sum(n - 1 for n in lengths[-3:]) == int((targets != -100).sum())
-    assert covered == sum(nbytes[-3:]) and torch.equal(inputs[:, 1:][targets[:, :-1] != -100], targets[:, :-1][targets[:, :-1] != -100])
+    assert covered == sum(expected[-3:])
+    real = targets[:, :-1] != -100
+    assert torch.equal(inputs[:, 1:][real], targets[:, :-1][real])  # the targets are the inputs shifted by one
 
 
 @pytest.mark.parametrize("config,block", [(TINY_GPT2, "GPT2Block"), (TINY_LLAMA, "LlamaDecoderLayer")])
@@ -136,7 +140,7 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     from raytrain_loops.engine import checkpoint as ckpt
     from raytrain_loops.tasks.hf_lm import HFLMTask
 
-    ours = HFLMTask(model=TINY_GPT2, text=corpus, max_len=32)
+    ours = HFLMTask(model=TINY_GPT2, text=corpus, text_key="body", max_len=32)
     ours.prepare(Path(tmp_path / "data"))
     mine = ours.build_model().eval()
     mine.load_state_dict(ckpt.read_file(result.checkpoint, ckpt.STATE)["model"])
@@ -146,7 +150,7 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
 
     # Fine-tuning from the exported directory, on other text: its first steps start where the
     # exported model ended, far below a fresh model's loss.
-    other = {"train": [str(_corpus(tmp_path / "other.jsonl", 200, 5, "the list"))], "key": "body"}
+    other = {"train": [str(_corpus(tmp_path / "other.jsonl", 200, 5, "the list"))]}
     tuned = fit(_config(tmp_path, "tuned", model=str(out), tokenizer=str(out), text=other))
     first = json.loads((Path(tuned.run_dir) / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] < 0.6 * metrics[0]["loss"], (first["loss"], metrics[0]["loss"])
@@ -161,8 +165,16 @@ def test_bad_params_and_a_missing_extra_are_named_before_anything_runs(monkeypat
         HFLMTask(model=str(tmp_path))
     with pytest.raises(ConfigError, match="task.params.tokenizer: train needs vocab_size"):
         HFLMTask(tokenizer={"train": {}})
-    with pytest.raises(ConfigError, match=r"task.params.text: takes train, eval and key; got \['eval'\]"):
+    with pytest.raises(ConfigError, match=r"task.params.text: takes train and eval .*; got \['eval'\]"):
         HFLMTask(text={"eval": ["x"]})
+    with pytest.raises(ConfigError, match="task.params.text_key: .*a.jsonl' line 1 has no key 'nope'"):
+        HFLMTask(text={"train": [str(_corpus(tmp_path / "a.jsonl", 3, 0, "x"))]}, text_key="nope").prepare(tmp_path)
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "config.json").write_text("{}")
+    (trained / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="task.params.tokenizer: a new tokenizer's ids mean nothing"):
+        HFLMTask(model=str(trained), tokenizer={"train": {"vocab_size": 400}})
     monkeypatch.setitem(sys.modules, "transformers", None)  # as without the extra
     with pytest.raises(ConfigError, match=r"task.name: hf_lm needs transformers: .*raytrain-loops\[hf\]"):
         HFLMTask()

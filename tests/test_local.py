@@ -99,6 +99,8 @@ def test_an_error_in_the_criterion_is_raised_here_with_the_criterions_frame_on_t
     [
         (["scaling.num_workers=0", "scaling.min_workers=1"], "scaling.min_workers"),
         (["scaling.num_workers=0", "run.max_failures=2"], "run.max_failures"),
+        (["scaling.num_workers=0", "fault.plan=[{step: 3, kind: kill}]"], "fault.plan[0]"),
+        (["scaling.num_workers=0", "fault.plan=[{step: 3, rank: 1}]"], "fault.plan[0]"),
     ],
 )
 def test_what_needs_ray_is_refused_in_local_mode_naming_the_key(overrides, key):
@@ -126,7 +128,7 @@ def test_a_users_own_task_trains_locally_and_its_run_name_continues_mid_epoch(tm
     # half-way through epoch 1, and the same run name carries it on to the end of 6 epochs.
     # precision.dtype=auto resolves on this CPU at the first start and is recorded; the rerun
     # keeps the recorded dtype, even where this CPU would resolve to another one.
-    threads = torch.get_num_threads()
+    threads, draw = torch.get_num_threads(), torch.random.get_rng_state()
     base = {
         **CONFIG,
         "loop": {"max_steps": 48, "epochs": 6},
@@ -136,7 +138,8 @@ def test_a_users_own_task_trains_locally_and_its_run_name_continues_mid_epoch(tm
         "run": {"name": "resume-me", "storage_path": str(tmp_path), "progress": False},
     }
     first = fit(base, task=SpiralTask())
-    assert torch.get_num_threads() == threads  # the run's thread count is its own, not the caller's
+    # The run's thread count and random generators are its own: the caller's come back unchanged.
+    assert torch.get_num_threads() == threads and torch.equal(torch.random.get_rng_state(), draw)
     assert first.metrics["step"] == 48 and first.checkpoint.endswith("checkpoint_00000048")
     state = torch.load(Path(first.checkpoint) / "rank0.pt", weights_only=True)
     assert state["data"] == {"epoch": 1, "batches": 16} and state["world_size"] == 1
@@ -159,3 +162,26 @@ def test_a_users_own_task_trains_locally_and_its_run_name_continues_mid_epoch(tm
     evals = [json.loads(line) for line in (Path(second.run_dir) / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == second.metrics["step"] == 6 * 32
     assert second.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
+
+
+def test_a_sigterm_stops_a_local_run_naming_its_last_checkpoint(tmp_path):
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "raytrain_loops.cli", "train", "default", "--local", "loop.epochs=200"]
+    proc = subprocess.Popen(
+        [*cmd, f"data.dir={tmp_path / 'data'}", f"run.storage_path={runs}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not list(runs.glob("*/checkpoint_*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "was interrupted (SIGTERM); its last checkpoint:" in err and "resume it with the same command" in err
+    assert not list(runs.glob("*/.checkpoint_*.partial"))

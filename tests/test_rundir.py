@@ -183,6 +183,9 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
         and "already finished at step 16: done=1, eval_accuracy=0.75" in capsys.readouterr().out
     )
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
+    # The same run at another scale (local mode plans 32 steps for the epoch) is finished too.
+    local = fit(_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())
+    assert local.metrics == summary["metrics"] and sorted(p.name for p in run.iterdir()) == before
 
     with pytest.raises(RayWouldStart):  # a longer run of it trains on
         fit(_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())

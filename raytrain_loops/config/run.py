@@ -296,6 +296,14 @@ class Config:
                 f"local mode (scaling.num_workers=0) restarts nothing, a failure raises in this process; got "
                 f"{self.run.max_failures}, set 0",
             )
+        if self.scaling.local:
+            for i, f in enumerate(self.fault.plan):
+                if f.kind == "kill" or f.rank > 0:
+                    raise ConfigError(
+                        f"fault.plan[{i}]",
+                        f"local mode runs one worker in this process: no kill (it would kill the caller) and no rank "
+                        f"above 0; got kind={f.kind}, rank={f.rank}",
+                    )
         for name in ("lr", "weight_decay", "ema_momentum"):
             if name not in self.schedules:
                 raise ConfigError(f"schedules.{name}", "is required")

@@ -34,6 +34,7 @@ from raytrain_loops.driver.errors import root_cause
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
 DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAYLET_SHOWN = re.compile(r"memory|killed", re.IGNORECASE)  # the raylet's messages shown as well as logged
 POLL_S = 0.3
 
 
@@ -230,6 +231,9 @@ class Console:
         def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
             if data.get("pid") == "raylet":
                 self._forwarded({**data, "actor_name": "raylet"})
+                for line in data.get("lines", []):
+                    if RAYLET_SHOWN.search(line):  # a worker killed, memory running out: the user's to see
+                        self.display.line(f"(raylet) {ANSI.sub('', line).strip()}")
             else:
                 original(data, ignore_prefix)
 

@@ -124,7 +124,8 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)
-        done = finished(run_dir, planned_steps(config, splits, rows))
+        length_changed = any(k.startswith(("loop.", "accum.")) for k in changes) or not changes
+        done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done)
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -210,13 +210,17 @@ class Finished:
     checkpoint: str
 
 
-def finished(run_dir: str, final_step: int) -> Finished | None:
+def finished(run_dir: str, final_step: int | None) -> Finished | None:
     """The run's summary when it finished: ``summary.json`` says done, and its newest checkpoint
-    is intact and at ``final_step``. None when there is training left to do."""
+    is intact and at ``final_step`` (None: at the summary's step, for a rerun that changed no key
+    of the run's length: only its scale, whose steps per epoch differ). None when there is
+    training left to do."""
     text = storage.read_text(storage.join(run_dir, "summary.json"))
     summary = json.loads(text) if text else None
     if not summary or not summary.get("metrics", {}).get("done"):
         return None
+    if final_step is None:
+        final_step = summary["metrics"].get("step")
     paths = checkpoint_dirs(run_dir)
     if not paths or ckpt_files.step_of(storage.name(paths[-1])) != final_step:
         return None

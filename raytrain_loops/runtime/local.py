@@ -7,11 +7,17 @@ cluster and a cluster's run continues here. Ray is not imported on this path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import random
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from raytrain_loops import storage
@@ -121,32 +127,67 @@ def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
     device = local_device(payload.config)
     display = Display()
     sender = DisplaySender(display)
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")  # the run sets its own
-    try:
-        wired = wire(
-            payload,
-            0,
-            1,
-            device,
-            sender,
-            prepare_model=_prepare_model,
-            batches=functools.partial(_batches, device=device),
-            reporter=functools.partial(LocalReporter, run_dir=payload.run_dir, config=payload.config, sender=sender),
-        )
+    with _callers_state(), _sigterm_interrupts():
         try:
-            wired.loop.run(wired.position)
-        except TrainingError as err:
-            raise TrainingStopped(type(err).__name__, str(err), wired.engine.step) from err
+            return _run(payload, device, sender)
+        finally:
+            display.close()
+
+
+def _run(payload: WorkerPayload, device: torch.device, sender: Sender) -> tuple[dict[str, Any], str | None]:
+    wired = wire(
+        payload,
+        0,
+        1,
+        device,
+        sender,
+        prepare_model=_prepare_model,
+        batches=functools.partial(_batches, device=device),
+        reporter=functools.partial(LocalReporter, run_dir=payload.run_dir, config=payload.config, sender=sender),
+    )
+    try:
+        wired.loop.run(wired.position)
+    except TrainingError as err:
+        raise TrainingStopped(type(err).__name__, str(err), wired.engine.step) from err
+    newest = checkpoint_dirs(payload.run_dir)
+    return wired.reporter.metrics, wired.reporter.checkpoint or (newest[-1] if newest else None)
+
+
+@contextlib.contextmanager
+def _callers_state() -> Iterator[None]:
+    """The run sets torch's thread count, ``OMP_NUM_THREADS`` and the random generators' seeds of
+    this process as a worker's; the caller's are given back when it ends."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
     finally:
-        display.close()
         torch.set_num_threads(threads)
         if omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
-    reporter = wired.reporter
-    newest = checkpoint_dirs(payload.run_dir)
-    return reporter.metrics, reporter.checkpoint or (newest[-1] if newest else None)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """A SIGTERM stops the run as a Ctrl-C does (``fit`` then names the last checkpoint), on the
+    main thread; elsewhere it keeps its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _batches(task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int], rank: int, world: int, device):

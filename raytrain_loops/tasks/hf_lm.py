@@ -6,7 +6,7 @@ non-finite and OOM decisions) on a user's own text, with a real tokenizer.
 loaded: fine-tuning) or an inline config (``model_type`` and its fields: training from scratch).
 ``tokenizer``: a local tokenizer directory, or ``{train: {vocab_size: N}}``, a byte-level BPE
 trained on the training text once on the driver (cached by its inputs). ``text``: ``{train:
-[files or directories], eval: [...], key: text}`` of JSONL or Parquet, or, empty, the Python
+[files or directories], eval: [...]}`` of JSONL or Parquet (the text under ``text_key``), or, empty, the Python
 standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the documents, an
 ``EOS`` after each, into rows of text that tokenize to ``max_len + 1`` tokens (a Parquet file per
 split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the criterion sums the
@@ -30,11 +30,11 @@ from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 from raytrain_loops.tasks.hf_text import (
-    EOS,
     FORMAT,
     digest,
     read_documents,
     require_hf,
+    stamps,
     stdlib_documents,
     train_bpe,
     write_rows,
@@ -54,13 +54,17 @@ class HFLMTask(Task):
         model: str | dict = SMALL_GPT2,
         tokenizer: str | dict | None = None,
         text: dict | None = None,
+        text_key: str = "text",
         max_len: int = 256,
         val_percent: float = 2.0,
     ):
         require_hf()
         self.model = model if isinstance(model, dict) else str(Path(model).expanduser().resolve())
-        self.tokenizer = tokenizer if tokenizer is not None else {"train": {"vocab_size": 4096}}
-        self.text = dict(text or {})
+        if tokenizer is None:  # a model directory's own tokenizer, else a BPE trained on the text
+            own = not isinstance(model, dict) and (Path(self.model) / "tokenizer.json").exists()
+            tokenizer = self.model if own else {"train": {"vocab_size": 4096}}
+        self.tokenizer = tokenizer
+        self.text, self.text_key = dict(text or {}), text_key
         self.max_len, self.val_percent = max_len, val_percent
         _check(self.model, self.tokenizer, self.text, max_len)
         self.tokenizer_dir: str | None = None  # set by prepare() (or tokenizer_at()), shipped with the task
@@ -73,22 +77,28 @@ class HFLMTask(Task):
     def _documents(self) -> tuple[list[str], list[str]]:
         if not self.text:
             return stdlib_documents(self.val_percent)
-        key = self.text.get("key", "text")
-        train = read_documents(list(self.text["train"]), key, "task.params.text.train")
+        train = read_documents(list(self.text["train"]), self.text_key, "task.params.text.train")
         if self.text.get("eval"):
-            return train, read_documents(list(self.text["eval"]), key, "task.params.text.eval")
+            return train, read_documents(list(self.text["eval"]), self.text_key, "task.params.text.eval")
         cut = max(1, int(len(train) * self.val_percent / 100))
         return train[cut:], train[:cut]
 
+    def _inputs(self) -> list:
+        """What the tokenizer and the packed rows are made from: the text files (and a tokenizer
+        directory) with their sizes and modification times, so that an edited file is read again."""
+        files = [*self.text.get("train", []), *self.text.get("eval", [])]
+        named = [self.tokenizer] if isinstance(self.tokenizer, str) else []
+        return [FORMAT, self.text, self.text_key, self.val_percent, self.tokenizer, stamps(files + named)]
+
     def data_subdir(self, data_dir: Path) -> Path:
-        return data_dir / "hf_lm" / f"{digest(FORMAT, self.text, self.val_percent, self.tokenizer, self.max_len)}"
+        return data_dir / "hf_lm" / f"{digest(*self._inputs(), self.max_len)}"
 
     def tokenizer_at(self, data_dir: Path, train_docs: list[str] | None = None) -> str:
         """The tokenizer's directory: the one named, or the BPE trained on the training text
         (trained now when ``train_docs`` are given and it is not cached)."""
         if isinstance(self.tokenizer, str):
             return str(Path(self.tokenizer).expanduser().resolve())
-        out = data_dir / "hf_lm" / f"bpe-{digest(FORMAT, self.text, self.val_percent, self.tokenizer)}"
+        out = data_dir / "hf_lm" / f"bpe-{digest(*self._inputs())}"
         if train_docs is not None:
             train_bpe(train_docs, int(self.tokenizer["train"]["vocab_size"]), out)
         if not (out / "tokenizer.json").exists():
@@ -102,9 +112,9 @@ class HFLMTask(Task):
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if not tok.is_fast:
             raise ConfigError("task.params.tokenizer", f"{path} has no fast (tokenizers) tokenizer.json")
-        eos = tok.eos_token or EOS
-        self.tokenizer_dir, self.vocab_size = path, len(tok)
-        self.eos_id = tok.convert_tokens_to_ids(eos)
+        if tok.eos_token is None or tok.eos_token_id is None:
+            raise ConfigError("task.params.tokenizer", f"{path} has no end-of-text token (eos_token) to put between documents")
+        self.tokenizer_dir, self.vocab_size, self.eos_id = path, len(tok), tok.eos_token_id
         self._tok = tok
 
     def prepare(self, data_dir: Path) -> None:
@@ -121,8 +131,8 @@ class HFLMTask(Task):
     def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
         base = self.data_subdir(data_dir)
         return {
-            "train": ParquetSplit(str(base / "train.parquet"), ["text", "bytes"]),
-            "eval": ParquetSplit(str(base / "valid.parquet"), ["text", "bytes"]),
+            "train": ParquetSplit(str(base / "train.parquet"), ["text"]),
+            "eval": ParquetSplit(str(base / "valid.parquet"), ["text"]),
         }
 
     # ------------------------------------------------------------------ on the workers
@@ -136,17 +146,23 @@ class HFLMTask(Task):
         return {**self.__dict__, "_tok": None}  # loaded again where it is used
 
     def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
-        """Each row's text tokenized into ``max_len + 1`` ids (right-padded with EOS; ``n``: how
-        many are real)."""
-        size = self.max_len + 1
-        encoded = self._tokenizer()(list(batch["text"]), add_special_tokens=False)["input_ids"]
-        ids = np.full((len(encoded), size), self.eos_id, dtype=np.int32)
-        n = np.zeros(len(encoded), dtype=np.int32)
-        for i, row in enumerate(encoded):
+        """Each row's text tokenized into ``max_len + 1`` ids (right-padded with the end token;
+        ``n``: how many are real), and the bytes of text its targets cover (``bytes``: from the
+        first target's start to the last's end, the end-of-text literals counting none)."""
+        size, tok = self.max_len + 1, self._tokenizer()
+        texts = [str(t) for t in batch["text"]]
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.full((len(texts), size), self.eos_id, dtype=np.int32)
+        n = np.zeros(len(texts), dtype=np.int32)
+        covered = np.zeros(len(texts), dtype=np.int64)
+        eos, eos_bytes = tok.eos_token, len(tok.eos_token.encode())
+        for i, (row, offsets) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], strict=True)):
             row = row[:size]
-            ids[i, : len(row)] = row
-            n[i] = len(row)
-        return {"ids": ids, "n": n, "bytes": np.asarray(batch["bytes"], dtype=np.int64)}
+            ids[i, : len(row)], n[i] = row, len(row)
+            if len(row) > 1:
+                span = texts[i][offsets[1][0] : offsets[len(row) - 1][1]]
+                covered[i] = len(span.encode()) - span.count(eos) * eos_bytes
+        return {"ids": ids, "n": n, "bytes": covered}
 
     def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """``(inputs, targets, target tokens, target bytes)``; targets past a row's end are IGNORE."""
@@ -166,10 +182,15 @@ class HFLMTask(Task):
                 config.vocab_size = -(-self.vocab_size // 64) * 64
             config.eos_token_id = config.bos_token_id = config.pad_token_id = self.eos_id
             return AutoModelForCausalLM.from_config(config)
-        weights = any(Path(self.model).glob("*.safetensors"))
-        if weights:
+        config = AutoConfig.from_pretrained(self.model, local_files_only=True)
+        if self.vocab_size > config.vocab_size:
+            raise ConfigError(
+                "task.params.tokenizer",
+                f"has {self.vocab_size} tokens, more than the {config.vocab_size} of the model in {self.model}",
+            )
+        if any(Path(self.model).glob("*.safetensors")):
             return AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, use_safetensors=True)
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model, local_files_only=True))
+        return AutoModelForCausalLM.from_config(config)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, found from the model: the modules of the classes its
@@ -218,14 +239,20 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
             raise ConfigError("task.params.model", "an inline config needs model_type (gpt2, llama, ...)")
     elif not (Path(model) / "config.json").exists():
         raise ConfigError("task.params.model", f"{model!r} has no config.json (a local model directory)")
+    elif isinstance(tokenizer, dict) and any(Path(model).glob("*.safetensors")):
+        raise ConfigError(
+            "task.params.tokenizer",
+            f"a new tokenizer's ids mean nothing to the trained weights in {model}: name the model's own tokenizer "
+            "directory (or leave task.params.tokenizer out when the model directory holds one)",
+        )
     if isinstance(tokenizer, dict):
         size = tokenizer.get("train", {}).get("vocab_size") if isinstance(tokenizer.get("train"), dict) else None
         if not isinstance(size, int) or size < 300:
             raise ConfigError("task.params.tokenizer", f"train needs vocab_size, an integer >= 300; got {tokenizer}")
     elif not (Path(tokenizer).expanduser() / "tokenizer.json").exists():
         raise ConfigError("task.params.tokenizer", f"{tokenizer!r} has no tokenizer.json (a local tokenizer directory)")
-    unknown = set(text) - {"train", "eval", "key"}
+    unknown = set(text) - {"train", "eval"}
     if unknown or (text and "train" not in text):
-        raise ConfigError("task.params.text", f"takes train, eval and key; got {sorted(text)}")
+        raise ConfigError("task.params.text", f"takes train and eval (lists of files or directories); got {sorted(text)}")
     if max_len < 2:
         raise ConfigError("task.params.max_len", f"must be >= 2; got {max_len}")

@@ -18,11 +18,13 @@ from typing import Any
 from raytrain_loops.config import ConfigError
 
 EOS = "<|endoftext|>"
-FORMAT = 1  # bump when the packing rules or the row layout change (a new cache directory)
+FORMAT = 2  # bump when the packing rules or the row layout change (a new cache directory)
 
 
 def require_hf() -> None:
     """The ``hf`` extra's libraries, or an error that says which extra to install."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never a hub look-up (read at import)
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     missing = []
     for module in ("transformers", "tokenizers", "safetensors"):
         try:
@@ -34,8 +36,6 @@ def require_hf() -> None:
             "task.name",
             f"hf_lm needs {', '.join(missing)}: install the hf extra, pip install 'raytrain-loops[hf]'",
         )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never a hub look-up
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def _files(paths: list[str], key: str) -> list[Path]:
@@ -89,6 +89,19 @@ def stdlib_documents(val_percent: float) -> tuple[list[str], list[str]]:
     return train, valid
 
 
+def stamps(paths: list[str]) -> list[tuple[str, int, int]]:
+    """(path, size, modification time) of every file under ``paths``: a cache key that changes
+    when a file does."""
+    out = []
+    for p in paths:
+        root = Path(p).expanduser()
+        for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if f.is_file():
+                st = f.stat()
+                out.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+    return out
+
+
 def digest(*parts: Any) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -122,47 +135,44 @@ def train_bpe(docs: list[str], vocab_size: int, out: Path) -> Path:
     return out
 
 
-def chunks(tokenizer: Any, docs: list[str], max_len: int) -> Iterator[tuple[str, int]]:
-    """The documents, ``EOS`` after each, cut into pieces of ``max_len + 1`` tokens (the inputs
-    and the targets shifted by one; the last piece may be shorter): each piece's text (``EOS`` as
-    its literal, which the tokenizer reads back as the one token) and the bytes of text that its
-    targets cover (the first token is no target)."""
-    size = max_len + 1
+def chunks(tokenizer: Any, docs: list[str], max_len: int) -> Iterator[str]:
+    """The documents, the tokenizer's end-of-text token after each, cut into pieces of
+    ``max_len + 1`` tokens (the inputs and the targets shifted by one; the last piece may be
+    shorter): each piece's text, the end token as its literal, which the tokenizer reads back as
+    the one token."""
+    eos, size = tokenizer.eos_token, max_len + 1
     text: list[str] = []
-    covered, held = 0, 0
+    held = 0
     for doc in docs:
         offsets = [*tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], None]
         i = 0
         while i < len(offsets):
-            part = offsets[i : i + size - held]  # None: the EOS after the document
+            part = offsets[i : i + size - held]  # None: the end token after the document
             real = [o for o in part if o is not None]
             if real:
                 text.append(doc[real[0][0] : real[-1][1]])
-                low = real[0][1] if held == 0 else real[0][0]  # a chunk's first token is no target
-                covered += len(doc[low : real[-1][1]].encode())
             if part[-1] is None:
-                text.append(EOS)
+                text.append(eos)
             held += len(part)
             i += len(part)
             if held == size:
-                yield "".join(text), covered
-                text, covered, held = [], 0, 0
+                yield "".join(text)
+                text, held = [], 0
     if held > 1:
-        yield "".join(text), covered
+        yield "".join(text)
 
 
 def write_rows(tokenizer: Any, docs: list[str], max_len: int, path: Path) -> int:
-    """The packed rows of ``docs`` (:func:`chunks`) as ``path``, a Parquet file of ``text`` and
-    ``bytes`` columns in row groups of 128 (written under a temporary name, then renamed);
-    returns the row count."""
+    """The packed rows of ``docs`` (:func:`chunks`) as ``path``, a Parquet file of one ``text``
+    column in row groups of 128 (written under a temporary name, then renamed); returns the row
+    count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = list(chunks(tokenizer, docs, max_len))
     if not rows:
         raise ConfigError("task.params.text", f"no text to train on for {path.name}")
-    table = pa.table({"text": [r[0] for r in rows], "bytes": pa.array([r[1] for r in rows], pa.int64())})
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=128)
+    pq.write_table(pa.table({"text": rows}), tmp, row_group_size=128)
     os.replace(tmp, path)
     return len(rows)
