@@ -38,6 +38,10 @@ class Sender:
             return
         self._last = self.feed.put.remote({"kind": kind, "text": text, **data})
 
+    def checkpoint(self, step: Any, path: str) -> None:
+        """The line for a checkpoint saved (by Ray's controller, or by a local run)."""
+        self.send("checkpoint", f"checkpoint at step {step}: {path}")
+
     def flush(self, timeout: float = 5.0) -> None:
         """Wait (up to ``timeout``) until the driver's feed holds every event sent: a process
         that ends right after sending would otherwise lose the last ones."""

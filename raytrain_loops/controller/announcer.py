@@ -22,7 +22,7 @@ class Announcer(UserCallback):
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if checkpoint is not None:
-            self.sender.send("checkpoint", f"checkpoint at step {metrics[0].get('step')}: {checkpoint.path}")
+            self.sender.checkpoint(metrics[0].get("step"), checkpoint.path)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         self.failures += 1

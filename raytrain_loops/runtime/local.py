@@ -49,9 +49,6 @@ class DisplaySender(Sender):
     def send(self, kind: str, text: str, **data: Any) -> None:
         self.display.show({"kind": kind, "text": text, **data})
 
-    def flush(self, timeout: float = 5.0) -> None:
-        pass
-
 
 class LocalReporter(CheckpointReporter):
     """A local run's reports: the last metrics kept (the run's result), each checkpoint written
@@ -79,7 +76,7 @@ class LocalReporter(CheckpointReporter):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.checkpoint = dest
-        self.sender.send("checkpoint", f"checkpoint at step {metrics.get('step')}: {dest}")
+        self.sender.checkpoint(metrics.get("step"), dest)
         if self.best is not None:
             self.best.add(metrics, name)
         if self.keep:
@@ -92,14 +89,14 @@ class LocalReporter(CheckpointReporter):
 
 def _place(tmp: str, dest: str) -> None:
     """Move a checkpoint written in ``tmp`` to ``dest``: on a local file system whole or not at all
-    (copied under a hidden name, then renamed); to an object store, its files uploaded (the
-    manifests tell a complete checkpoint from a cut one)."""
+    (moved under a hidden name, a rename where both are on one file system, then renamed); to an
+    object store, its files uploaded (the manifests tell a complete checkpoint from a cut one)."""
     if storage.is_uri(dest):
         storage.upload_dir(tmp, dest)
         return
     partial = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(tmp, partial)
+    shutil.move(tmp, partial)
     os.rename(partial, dest)
 
 

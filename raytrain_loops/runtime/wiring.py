@@ -144,9 +144,7 @@ class Wired:
     engine: Engine
     loop: Loop
     reporter: Any
-    faults: Faults
     position: Position
-    config: Config
 
 
 def wire(
@@ -201,4 +199,4 @@ def wire(
         announce_start(made, engine, config, world, scale, sender, run_dir)
     cbs = callbacks(payload, engine, faults, sender, rank, world, total, plain, made.loaded)
     loop = Loop(engine, source, made, LoopSettings.of(config), task.evaluate, cbs, scale, task.eval_metrics)
-    return Wired(engine, loop, made, faults, position, config)
+    return Wired(engine, loop, made, position)

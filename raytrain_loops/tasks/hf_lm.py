@@ -17,6 +17,7 @@ token and ``bpb``, bits per byte of the original text (comparable across tokeniz
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,7 @@ class HFLMTask(Task):
 
     def load_tokenizer(self, path: str) -> None:
         """Use the fast tokenizer of the directory ``path``."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = _fast_tokenizer(path)
         if not tok.is_fast:
             raise ConfigError("task.params.tokenizer", f"{path} has no fast (tokenizers) tokenizer.json")
         if tok.eos_token is None or tok.eos_token_id is None:
@@ -231,6 +230,15 @@ class HFLMTask(Task):
             raise ValueError(f"the checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
         model.save_pretrained(str(out), safe_serialization=True)
         self._tokenizer().save_pretrained(str(out))
+
+
+@functools.lru_cache(maxsize=4)
+def _fast_tokenizer(path: str):
+    """The tokenizer of the directory ``path``, loaded once per process (a Ray Data task's process
+    preprocesses many windows, each with its own unpickled copy of the task)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
