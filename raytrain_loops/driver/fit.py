@@ -28,6 +28,7 @@ from raytrain_loops.driver.run_dir import (
     check_config,
     checkpoint_dirs,
     finished,
+    pin_artefacts,
     record_changes,
 )
 from raytrain_loops.driver.stops import StopBoard, fit_or_stop
@@ -128,6 +129,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done)
+        changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
         with _signals_seen() as seen:

@@ -1,9 +1,12 @@
 """The driver's hold on a run directory, before Ray starts: one driver at a time (a lock file in
-the store), a rerun's config compared with the one the run was started with, and a finished
-run recognised so that running it again trains nothing."""
+the store), a rerun's config compared with the one the run was started with, the task's
+artefacts (a tokenizer, a model's configuration, a digest of the prepared data) pinned at the
+first start and compared at every resume, and a finished run recognised so that running it again
+trains nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -12,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -20,8 +23,13 @@ from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.engine import checkpoint as ckpt_files
 
+if TYPE_CHECKING:
+    from raytrain_loops.tasks import Task
+
 LOCK = "driver.lock"
 CHANGES = "config_changes.jsonl"
+ARTEFACTS = "artefacts"  # the task's pinned files: <run>/artefacts/<name>
+ARTEFACTS_FILE = "artefacts.json"  # their SHA-256 and the prepared data's digest
 PRECISION_FILE = "precision.json"  # the dtype the run trains in (precision.dtype=auto resolved at its first start)
 # What a rerun may change: where and how the run executes (compilation and activation
 # checkpointing included: they change how blocks compute, not the state a checkpoint holds), and
@@ -194,6 +202,67 @@ def record_changes(run_dir: str, changes: dict[str, tuple[Any, Any]], allowed: b
         "allowed_by_run.allow_config_change": allowed and any(not resumable(k) for k in changes),
     }
     storage.write_text(path, (storage.read_text(path) or "") + json.dumps(entry, default=str) + "\n")
+
+
+def _pinned_state(task: Task) -> tuple[dict[str, bytes], dict[str, Any]]:
+    files = task.artefacts()
+    digests = {n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())}
+    return files, {"files": digests, "data": task.data_digest()}
+
+
+def artefact_changes(before: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``artefacts.<name>`` (``artefacts.data`` for the prepared data) -> (old digest, new
+    digest), short, for every pinned file or data digest that differs."""
+    old, new = before.get("files", {}), now["files"]
+    changes = {f"artefacts.{n}": (old.get(n, _ABSENT), new.get(n, _ABSENT)) for n in sorted(set(old) | set(new))}
+    changes["artefacts.data"] = (before.get("data"), now["data"])
+    return {k: tuple(v[:12] if v else v for v in pair) for k, pair in changes.items() if pair[0] != pair[1]}
+
+
+def pin_artefacts(run_dir: str, task: Task, allowed: bool) -> dict[str, tuple[Any, Any]]:
+    """Copy the task's :meth:`~raytrain_loops.tasks.Task.artefacts` into ``artefacts/`` of the
+    run directory and record their digests and the prepared data's in ``artefacts.json``, at the
+    run's first start. Later starts compare: when the run holds checkpoints, a difference is
+    refused (:class:`ConfigError` naming every changed file, or the data) unless ``allowed``
+    (``run.allow_config_change``), and then pinned anew. Returns the accepted changes."""
+    files, now = _pinned_state(task)
+    if not files and now["data"] is None:
+        return {}
+    text = storage.read_text(storage.join(run_dir, ARTEFACTS_FILE))
+    before = json.loads(text) if text else None
+    if before == now:
+        return {}
+    changes = artefact_changes(before, now) if before is not None and checkpoint_dirs(run_dir) else {}
+    if changes and not allowed:
+        raise ConfigError(
+            "task",
+            f"the run in {run_dir} was trained with other artefacts than the task's now (its tokenizer, model "
+            f"configuration or prepared data, pinned in {ARTEFACTS}/ at its first start). Changed: {_shown(changes)}. "
+            "Use another run.name, or set run.allow_config_change=true to resume it with the new ones anyway",
+        )
+    for name in set((before or {}).get("files", {})) - set(files):
+        storage.delete(storage.join(run_dir, ARTEFACTS, *name.split("/")))
+    for name, data in files.items():
+        storage.write_bytes(storage.join(run_dir, ARTEFACTS, *name.split("/")), data)
+    storage.write_text(storage.join(run_dir, ARTEFACTS_FILE), json.dumps(now, indent=2) + "\n")
+    return changes
+
+
+def read_pinned(run_dir: str, prefix: str) -> dict[str, bytes]:
+    """The run's pinned artefacts under ``prefix`` (``tokenizer/``), by name without it, each
+    checked against its digest in ``artefacts.json``."""
+    text = storage.read_text(storage.join(run_dir, ARTEFACTS_FILE))
+    if text is None:
+        raise FileNotFoundError(f"{run_dir} has no {ARTEFACTS_FILE}: its task pinned no artefacts at its first start")
+    out = {}
+    for name, sha in json.loads(text)["files"].items():
+        if not name.startswith(prefix):
+            continue
+        data = storage.read_bytes(storage.join(run_dir, ARTEFACTS, *name.split("/")))
+        if data is None or hashlib.sha256(data).hexdigest() != sha:
+            raise ckpt_files.CheckpointError(f"{run_dir}: {ARTEFACTS}/{name} is missing or differs from its digest")
+        out[name[len(prefix) :]] = data
+    return out
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:

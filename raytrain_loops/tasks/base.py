@@ -130,6 +130,26 @@ class Task:
         over all workers' batches (a dict result adds its keys, a scalar its name)."""
         return {}
 
+    # ---- what the run pins, and what travels to preprocessing (driver/run_dir.py, worker/batches.py)
+
+    def artefacts(self) -> dict[str, bytes]:
+        """Files the model's weights depend on beyond the config (a tokenizer, a model's
+        configuration), by name (``tokenizer/tokenizer.json``), after :meth:`prepare`. They are
+        copied into the run directory (``artefacts/<name>``) at the run's first start; a resume
+        whose files differ is refused, naming them, unless ``run.allow_config_change``."""
+        return {}
+
+    def data_digest(self) -> str | None:
+        """A digest of the prepared data the run trains on (after :meth:`prepare`), pinned and
+        checked at a resume as :meth:`artefacts` are; None: not checked."""
+        return None
+
+    def preprocessing_copy(self) -> Task:
+        """The task Ray Data ships to every preprocessing task (:meth:`preprocess`): itself, or a
+        copy without what only the training workers need (model weights) or only the driver
+        reads (its source paths)."""
+        return self
+
 
 def has_preprocess(task: Task) -> bool:
     """Whether ``task`` overrides :meth:`Task.preprocess`."""

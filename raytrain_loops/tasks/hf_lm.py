@@ -13,11 +13,18 @@ split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the cr
 cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
 ``lm`` recipe's). No network access: hub look-ups are off.
+
+Across nodes: :meth:`prepare` reads the tokenizer's files and the model directory's config and
+safetensors weights on the driver, and the task carries their contents, never a driver path. The
+copy Ray Data ships to every preprocessing task (:meth:`preprocessing_copy`) holds the tokenizer
+only; the weights reach the training workers with the train function, which Ray Train puts in
+the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
+:meth:`data_digest` (the packed rows) are pinned in the run directory at its first start.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -31,13 +38,22 @@ from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 from raytrain_loops.tasks.hf_text import (
+    CONFIG_FILES,
     FORMAT,
+    TOKENIZER_FILES,
+    config_json,
     digest,
+    materialized,
+    model_from,
     read_documents,
+    read_files,
     require_hf,
+    rows_digest,
     stamps,
     stdlib_documents,
+    tokenizer_from,
     train_bpe,
+    weight_files,
     write_rows,
 )
 
@@ -68,7 +84,11 @@ class HFLMTask(Task):
         self.text, self.text_key = dict(text or {}), text_key
         self.max_len, self.val_percent = max_len, val_percent
         _check(self.model, self.tokenizer, self.text, max_len)
-        self.tokenizer_dir: str | None = None  # set by prepare() (or tokenizer_at()), shipped with the task
+        # Set by prepare() on the driver and shipped with the task, by content:
+        self.tokenizer_files: dict[str, bytes] = {}  # the tokenizer directory's files
+        self.model_files: dict[str, bytes] = {}  # config.json (and generation_config.json)
+        self._weights: dict[str, bytes] = {}  # the model directory's safetensors: training workers only
+        self._rows_digest: str | None = None
         self.vocab_size = 0
         self.eos_id = 0
         self._tok = None
@@ -107,13 +127,16 @@ class HFLMTask(Task):
         return str(out)
 
     def load_tokenizer(self, path: str) -> None:
-        """Use the fast tokenizer of the directory ``path``."""
-        tok = _fast_tokenizer(path)
+        """Use the fast tokenizer of the directory ``path``, carried from now on by content."""
+        files = read_files(path, TOKENIZER_FILES)
+        if "tokenizer.json" not in files:
+            raise ConfigError("task.params.tokenizer", f"{path} has no fast (tokenizers) tokenizer.json")
+        tok = tokenizer_from(files)
         if not tok.is_fast:
             raise ConfigError("task.params.tokenizer", f"{path} has no fast (tokenizers) tokenizer.json")
         if tok.eos_token is None or tok.eos_token_id is None:
             raise ConfigError("task.params.tokenizer", f"{path} has no end-of-text token (eos_token) to put between documents")
-        self.tokenizer_dir, self.vocab_size, self.eos_id = path, len(tok), tok.eos_token_id
+        self.tokenizer_files, self.vocab_size, self.eos_id = files, len(tok), tok.eos_token_id
         self._tok = tok
 
     def prepare(self, data_dir: Path) -> None:
@@ -121,11 +144,65 @@ class HFLMTask(Task):
         done = (out / "train.parquet").exists() and (out / "valid.parquet").exists()
         docs = None if done and not isinstance(self.tokenizer, dict) else self._documents()
         self.load_tokenizer(self.tokenizer_at(data_dir, docs[0] if docs else None))
-        if done:
+        self._read_model()
+        if not done:
+            out.mkdir(parents=True, exist_ok=True)
+            for split, split_docs in zip(("train", "valid"), docs, strict=True):
+                write_rows(self._tok, split_docs, self.max_len, out / f"{split}.parquet")
+        self._rows_digest = rows_digest([out / "train.parquet", out / "valid.parquet"])
+
+    def _read_model(self) -> None:
+        """The model's config files and weights, read once on the driver (a model directory) or
+        built from the inline config and the tokenizer's size."""
+        self.model_files = self._config_files()
+        if isinstance(self.model, dict):
             return
-        out.mkdir(parents=True, exist_ok=True)
-        for split, split_docs in zip(("train", "valid"), docs, strict=True):
-            write_rows(self._tok, split_docs, self.max_len, out / f"{split}.parquet")
+        from transformers import AutoConfig
+
+        with materialized(self.model_files) as tmp:
+            size = AutoConfig.from_pretrained(tmp, local_files_only=True).vocab_size
+        if self.vocab_size > size:
+            raise ConfigError(
+                "task.params.tokenizer", f"has {self.vocab_size} tokens, more than the {size} of the model in {self.model}"
+            )
+        self._weights = weight_files(self.model)
+
+    def _config_files(self) -> dict[str, bytes]:
+        if not isinstance(self.model, dict):
+            return read_files(self.model, CONFIG_FILES)
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in self.model.items() if k != "model_type"}
+        config = AutoConfig.for_model(self.model["model_type"], **fields)
+        if self.vocab_size:  # the tokenizer's size, rounded up to 64 (a multiple that suits matmuls)
+            config.vocab_size = -(-self.vocab_size // 64) * 64
+        config.eos_token_id = config.bos_token_id = config.pad_token_id = self.eos_id
+        return {"config.json": config_json(config)}
+
+    # ------------------------------------------------------------------ pinned to the run
+
+    def artefacts(self) -> dict[str, bytes]:
+        """The tokenizer's files (``tokenizer/...``) and the model's configuration (``model/...``):
+        what the weights were trained with, and what ``export --format hf`` writes beside them."""
+        if not self.tokenizer_files:
+            raise ConfigError("task.params.tokenizer", "no tokenizer yet: the task's prepare has not run")
+        return {
+            **{f"tokenizer/{n}": b for n, b in self.tokenizer_files.items()},
+            **{f"model/{n}": b for n, b in self.model_files.items()},
+        }
+
+    def data_digest(self) -> str | None:
+        """SHA-256 of the packed rows of both splits (set by :meth:`prepare`)."""
+        return self._rows_digest
+
+    def preprocessing_copy(self) -> HFLMTask:
+        """The tokenizer by content, max_len and the end token: none of the weights, nor the
+        driver's paths (the model directory, the text files, a tokenizer directory)."""
+        out = copy.copy(self)
+        out._weights, out.model_files, out.text, out._tok = {}, {}, {}, None
+        out.model = self.model if isinstance(self.model, dict) else ""
+        out.tokenizer = self.tokenizer if isinstance(self.tokenizer, dict) else ""
+        return out
 
     def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
         base = self.data_subdir(data_dir)
@@ -138,7 +215,9 @@ class HFLMTask(Task):
 
     def _tokenizer(self):
         if self._tok is None:
-            self.load_tokenizer(self.tokenizer_dir)
+            if not self.tokenizer_files:
+                raise ConfigError("task.params.tokenizer", "no tokenizer: the task's prepare has not run")
+            self._tok = tokenizer_from(self.tokenizer_files)
         return self._tok
 
     def __getstate__(self) -> dict[str, Any]:
@@ -172,24 +251,9 @@ class HFLMTask(Task):
         return inputs, targets, int((targets != IGNORE).sum()), int(np.sum(batch["bytes"]))
 
     def build_model(self) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        if isinstance(self.model, dict):
-            fields = {k: v for k, v in self.model.items() if k != "model_type"}
-            config = AutoConfig.for_model(self.model["model_type"], **fields)
-            if self.vocab_size:  # the tokenizer's size, rounded up to 64 (a multiple that suits matmuls)
-                config.vocab_size = -(-self.vocab_size // 64) * 64
-            config.eos_token_id = config.bos_token_id = config.pad_token_id = self.eos_id
-            return AutoModelForCausalLM.from_config(config)
-        config = AutoConfig.from_pretrained(self.model, local_files_only=True)
-        if self.vocab_size > config.vocab_size:
-            raise ConfigError(
-                "task.params.tokenizer",
-                f"has {self.vocab_size} tokens, more than the {config.vocab_size} of the model in {self.model}",
-            )
-        if any(Path(self.model).glob("*.safetensors")):
-            return AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, use_safetensors=True)
-        return AutoModelForCausalLM.from_config(config)
+        """The model from the files :meth:`prepare` read (its weights when the directory had any);
+        before it, on the driver (the blocks' check), the architecture from the param alone."""
+        return model_from(self.model_files or self._config_files(), self._weights)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, found from the model: the modules of the classes its
@@ -217,34 +281,13 @@ class HFLMTask(Task):
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         return {"loss": (nll / max(ntokens, 1), ntokens), "bpb": (nll / (max(nbytes, 1) * LN2), nbytes)}
 
-    # ------------------------------------------------------------------ export
-
-    def export_pretrained(self, weights: dict[str, torch.Tensor], out: str | Path) -> None:
-        """``out``: a directory ``AutoModelForCausalLM.from_pretrained`` and
-        ``AutoTokenizer.from_pretrained`` load: the config, ``weights`` as safetensors, the
-        tokenizer."""
-        model = self.build_model()
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = set(getattr(model, "_tied_weights_keys", None) or [])
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"the checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-        model.save_pretrained(str(out), safe_serialization=True)
-        self._tokenizer().save_pretrained(str(out))
-
-
-@functools.lru_cache(maxsize=4)
-def _fast_tokenizer(path: str):
-    """The tokenizer of the directory ``path``, loaded once per process (a Ray Data task's process
-    preprocesses many windows, each with its own unpickled copy of the task)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
 
 def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
     if isinstance(model, dict):
         if "model_type" not in model:
             raise ConfigError("task.params.model", "an inline config needs model_type (gpt2, llama, ...)")
+    elif not Path(model).is_dir():
+        raise ConfigError("task.params.model", f"{model!r}: no such directory (a local model directory, or an inline config)")
     elif not (Path(model) / "config.json").exists():
         raise ConfigError("task.params.model", f"{model!r} has no config.json (a local model directory)")
     elif isinstance(tokenizer, dict) and any(Path(model).glob("*.safetensors")):
@@ -257,6 +300,8 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
         size = tokenizer.get("train", {}).get("vocab_size") if isinstance(tokenizer.get("train"), dict) else None
         if not isinstance(size, int) or size < 300:
             raise ConfigError("task.params.tokenizer", f"train needs vocab_size, an integer >= 300; got {tokenizer}")
+    elif not Path(tokenizer).expanduser().is_dir():
+        raise ConfigError("task.params.tokenizer", f"{tokenizer!r}: no such directory (a local tokenizer directory)")
     elif not (Path(tokenizer).expanduser() / "tokenizer.json").exists():
         raise ConfigError("task.params.tokenizer", f"{tokenizer!r} has no tokenizer.json (a local tokenizer directory)")
     unknown = set(text) - {"train", "eval"}

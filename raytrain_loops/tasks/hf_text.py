@@ -2,7 +2,9 @@
 Python standard library's source), a byte-level BPE trained on them with Hugging Face
 ``tokenizers`` (cached by its inputs), and the one-off packing of the documents into rows of
 text that each tokenize to one training sequence (written to Parquet, cached by its inputs).
-The rows are tokenized again in ``Task.preprocess``, on Ray Data's CPUs.
+The rows are tokenized again in ``Task.preprocess``, on Ray Data's CPUs. A tokenizer and a
+model's configuration and weights travel as their files' contents (``{name: bytes}``), never as a
+directory on the driver: :func:`tokenizer_from` and :func:`model_from` load them anywhere.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,18 @@ from raytrain_loops.config import ConfigError
 
 EOS = "<|endoftext|>"
 FORMAT = 2  # bump when the packing rules or the row layout change (a new cache directory)
+# A tokenizer directory's files that AutoTokenizer reads for a fast tokenizer (tokenizer.json
+# holds the whole of it; the rest its class, special tokens and chat template).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CONFIG_FILES = ("config.json", "generation_config.json")  # what a model's weights are read with
+WEIGHTS_INDEX = "model.safetensors.index.json"  # the file list of weights in several shards
 
 
 def require_hf() -> None:
@@ -176,3 +192,84 @@ def write_rows(tokenizer: Any, docs: list[str], max_len: int, path: Path) -> int
     pq.write_table(pa.table({"text": rows}), tmp, row_group_size=128)
     os.replace(tmp, path)
     return len(rows)
+
+
+def read_files(directory: str, names: tuple[str, ...]) -> dict[str, bytes]:
+    """The contents of the files of ``directory`` among ``names`` (those present)."""
+    root = Path(directory)
+    return {n: (root / n).read_bytes() for n in names if (root / n).is_file()}
+
+
+def weight_files(directory: str) -> dict[str, bytes]:
+    """The safetensors weights of a model directory (and their index, when sharded), by name."""
+    root = Path(directory)
+    names = sorted(f.name for f in root.glob("*.safetensors"))
+    return read_files(directory, (*names, WEIGHTS_INDEX)) if names else {}
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    """SHA-256 of ``{name: bytes}``, names and contents."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\0{len(files[name])}\0".encode())
+        h.update(files[name])
+    return h.hexdigest()
+
+
+@contextmanager
+def materialized(files: dict[str, bytes]) -> Iterator[str]:
+    """A local temporary directory holding ``files`` (for ``from_pretrained``), removed after."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-hf-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        yield tmp
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def tokenizer_from(files: dict[str, bytes]) -> Any:
+    """The tokenizer whose files are ``files``, loaded once per process (a Ray Data task's process
+    preprocesses many windows, each with its own unpickled copy of the task)."""
+    key = files_digest(files)
+    if key not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        with materialized(files) as tmp:
+            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    return _TOKENIZERS[key]
+
+
+def model_from(config_files: dict[str, bytes], weights: dict[str, bytes]) -> Any:
+    """The causal LM of ``config_files`` (``config.json``, ...), its ``weights`` loaded when any
+    (safetensors only: nothing read runs code), else freshly initialised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with materialized({**config_files, **weights}) as tmp:
+        if weights:
+            return AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, use_safetensors=True)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp, local_files_only=True))
+
+
+def config_json(config: Any) -> bytes:
+    """A ``transformers`` config as ``config.json``'s bytes, stable across library versions that
+    build the same model (the version that wrote it left out)."""
+    data = config.to_dict()
+    data.pop("transformers_version", None)
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def rows_digest(paths: list[Path]) -> str:
+    """SHA-256 of the packed rows' text in ``paths`` (each row's UTF-8 bytes and length, in order):
+    the same rows give the same digest whatever the Parquet writer's version."""
+    import pyarrow.parquet as pq
+
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"{path.name}\0".encode())
+        for batch in pq.ParquetFile(path).iter_batches(columns=["text"], batch_size=4096):
+            for text in batch.column(0).to_pylist():
+                data = text.encode()
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+    return h.hexdigest()

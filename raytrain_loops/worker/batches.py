@@ -51,7 +51,7 @@ def preprocessed(
         _read_and_preprocess,
         batch_size=1,
         fn_kwargs={
-            "task": task,
+            "task": task.preprocessing_copy(),  # no weights, no driver paths
             "index": index,
             "plan": plan,
             "first": first,
