@@ -6,6 +6,7 @@ the README."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.parquet import ROW_SEED
+from tests.test_store_s3 import s3_root, s3_server  # noqa: F401  (a real S3 API: moto's server)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
@@ -284,3 +287,190 @@ def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_
     assert resumed.metrics["step"] == whole.metrics["step"] == 60
     a, b = (ckpt.read_file(r.checkpoint, ckpt.STATE)["model"] for r in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _model_dir(tmp_path: Path, corpus: dict) -> Path:
+    """A model directory as a user has one: a tiny GPT-2's safetensors weights, its config and
+    its tokenizer (the BPE of ``corpus``), written by transformers' save_pretrained."""
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    task = HFLMTask(model=TINY_GPT2, tokenizer={"train": {"vocab_size": 400}}, text=corpus, text_key="body", max_len=32)
+    task.prepare(tmp_path / "scratch")
+    out = tmp_path / "model"
+    torch.manual_seed(3)
+    task.build_model().save_pretrained(str(out), safe_serialization=True)
+    task._tokenizer().save_pretrained(str(out))
+    return out
+
+
+def test_the_task_shipped_to_preprocessing_carries_the_tokenizer_by_content_and_no_weights_nor_driver_path(
+    tmp_path, corpus
+):
+    """What Ray Data ships to every preprocessing task (Task.preprocessing_copy, as worker/batches.py
+    passes it) holds the tokenizer's files and works on a node that has none of the driver's
+    directories; the training workers' copy holds the weights and builds the model without them."""
+    import pickle
+
+    from raytrain_loops.tasks import hf_text
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    model_dir = _model_dir(tmp_path, corpus)
+    data_dir = tmp_path / "data"
+    task = HFLMTask(model=str(model_dir), text=corpus, text_key="body", max_len=32)
+    task.prepare(data_dir)
+    rows = {"text": np.array(pq.read_table(task.splits(data_dir)["train"].path).column("text").to_pylist()[:20])}
+    expected, weights = task.preprocess(rows, train=True), task.build_model().state_dict()
+    shipped, trained = pickle.dumps(task.preprocessing_copy()), pickle.dumps(task)
+    tokenizer_bytes = sum(len(b) for b in task.tokenizer_files.values())
+    weight_bytes = (model_dir / "model.safetensors").stat().st_size
+    assert len(shipped) < tokenizer_bytes + 4096 < weight_bytes < len(trained), (len(shipped), len(trained))
+    for path in (str(tmp_path), str(model_dir), str(data_dir), *corpus["train"], *corpus["eval"]):
+        assert path.encode() not in shipped, path
+    # Another node: none of the driver's directories, no tokenizer loaded in the process yet.
+    (tmp_path / "moved").mkdir()
+    for d in (model_dir, data_dir, tmp_path / "scratch"):
+        d.rename(tmp_path / "moved" / d.name)
+    hf_text._TOKENIZERS.clear()
+    out = pickle.loads(shipped).preprocess(rows, train=True)
+    assert out.keys() == expected.keys() and all(np.array_equal(out[k], expected[k]) for k in out)
+    rebuilt = pickle.loads(trained).build_model().state_dict()
+    assert rebuilt.keys() == weights.keys() and all(torch.equal(rebuilt[k], weights[k]) for k in weights)
+    # A directory that is not there is named by its parameter, before anything runs.
+    with pytest.raises(ConfigError, match=r"task.params.model: '.*model': no such directory"):
+        HFLMTask(model=str(model_dir))
+    with pytest.raises(ConfigError, match=r"task.params.tokenizer: '.*model': no such directory"):
+        HFLMTask(model=TINY_GPT2, tokenizer=str(model_dir))
+
+
+class _Pinned:
+    """A task that pins ``files`` and a data digest (only what the run directory reads of it)."""
+
+    def __init__(self, files: dict[str, bytes], data: str | None):
+        self.files, self.data = files, data
+
+    def artefacts(self) -> dict[str, bytes]:
+        return self.files
+
+    def data_digest(self) -> str | None:
+        return self.data
+
+
+def test_artefacts_are_pinned_in_a_run_directory_on_a_bucket_and_a_changed_one_is_refused_once_trained(
+    s3_root,  # noqa: F811  (the fixture imported above)
+):
+    from raytrain_loops import storage
+    from raytrain_loops.driver.run_dir import pin_artefacts, read_pinned
+    from raytrain_loops.engine.checkpoint import CheckpointError
+
+    run = storage.join(s3_root, "run")
+    first = {"tokenizer/tokenizer.json": b"A", "model/config.json": b"{}"}
+    assert pin_artefacts(run, _Pinned(first, "rows-1"), allowed=False) == {}
+    assert read_pinned(run, "tokenizer/") == {"tokenizer.json": b"A"} and read_pinned(run, "model/") == {
+        "config.json": b"{}"
+    }
+    # Nothing trained yet: a new tokenizer is pinned in place of the old one, without a word.
+    second = {**first, "tokenizer/tokenizer.json": b"B"}
+    assert pin_artefacts(run, _Pinned(second, "rows-1"), allowed=False) == {}
+    assert read_pinned(run, "tokenizer/") == {"tokenizer.json": b"B"}
+    storage.write_text(storage.join(run, "checkpoint_00000030", "manifest.rank0.json"), "{}")
+    assert pin_artefacts(run, _Pinned(second, "rows-1"), allowed=False) == {}  # the same: a plain resume
+    third = {"tokenizer/tokenizer.json": b"C"}  # another tokenizer, no model config, other rows
+    with pytest.raises(ConfigError, match=r"^task: .*Changed: artefacts.model/config.json .*artefacts.tokenizer/"):
+        pin_artefacts(run, _Pinned(third, "rows-2"), allowed=False)
+    with pytest.raises(ConfigError, match=r"artefacts.data \('rows-1' -> 'rows-2'\).*run.allow_config_change=true"):
+        pin_artefacts(run, _Pinned(second, "rows-2"), allowed=False)
+    assert read_pinned(run, "tokenizer/") == {"tokenizer.json": b"B"}  # a refused resume changes nothing
+    changes = pin_artefacts(run, _Pinned(third, "rows-2"), allowed=True)
+    assert sorted(changes) == ["artefacts.data", "artefacts.model/config.json", "artefacts.tokenizer/tokenizer.json"]
+    assert changes["artefacts.model/config.json"][1] == "<absent>"
+    assert read_pinned(run, "tokenizer/") == {"tokenizer.json": b"C"} and read_pinned(run, "model/") == {}
+    assert not storage.exists(storage.join(run, "artefacts", "model", "config.json"))
+    storage.write_bytes(storage.join(run, "artefacts", "tokenizer", "tokenizer.json"), b"D")
+    with pytest.raises(CheckpointError, match="artefacts/tokenizer/tokenizer.json is missing or differs"):
+        read_pinned(run, "tokenizer/")
+
+
+def test_a_resume_with_a_new_tokenizer_or_data_is_refused_unless_allowed_and_a_copied_run_dir_exports(
+    tmp_path, corpus
+):
+    """The BPE and the packed rows are pinned at the run's first start. A touched text file (the
+    same BPE made again) resumes; an edited one is refused, naming the tokenizer and the data,
+    until run.allow_config_change=true. The run directory, copied elsewhere without the data,
+    exports with its own copies, and the module its config.yaml names is never imported."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raytrain_loops.engine import checkpoint as ckpt
+    from raytrain_loops.tasks.hf_lm import HFLMTask
+
+    text = tmp_path / "text" / "a.jsonl"
+    text.parent.mkdir()
+    original = Path(corpus["train"][0]).read_bytes()
+    text.write_bytes(original)
+    mine = {"train": [str(text)], "eval": corpus["eval"]}
+    config = _config(tmp_path, "pinned", model=TINY_GPT2, text=mine)
+    config["fault"] = {"plan": [{"step": 30, "kind": "raise"}, {"step": 40, "kind": "raise"}]}
+    with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 30"):
+        fit(config)
+    run_dir = tmp_path / "runs" / "pinned"
+    pinned = json.loads((run_dir / "artefacts.json").read_text())
+    (bpe,) = (tmp_path / "data" / "hf_lm").glob("bpe-*")
+    assert (run_dir / "artefacts" / "tokenizer" / "tokenizer.json").read_bytes() == (bpe / "tokenizer.json").read_bytes()
+    assert (run_dir / "artefacts" / "model" / "config.json").exists() and len(pinned["data"]) == 64
+
+    text.write_bytes(original)  # touched: a new cache key, the same BPE and rows
+    with pytest.raises(RuntimeError, match=r"fault\.plan\[1\] after step 40"):
+        fit(config)
+    assert len(list((tmp_path / "data" / "hf_lm").glob("bpe-*"))) == 2
+    assert json.loads((run_dir / "artefacts.json").read_text()) == pinned
+
+    text.write_bytes(original + b'{"body": "the list 999: omega omega omega"}\n')  # edited: another BPE
+    with pytest.raises(ConfigError, match=r"Changed: artefacts.tokenizer/tokenizer.json .*artefacts.data "):
+        fit(config)
+    config["run"]["allow_config_change"] = True
+    resumed = fit(config)
+    assert resumed.metrics["step"] == 60
+    changed = json.loads((run_dir / "config_changes.jsonl").read_text().splitlines()[-1])["changes"]
+    assert {"artefacts.data", "artefacts.tokenizer/tokenizer.json"} <= set(changed)
+    new_bpe = max((tmp_path / "data" / "hf_lm").glob("bpe-*"), key=lambda p: p.stat().st_mtime_ns)
+    assert (run_dir / "artefacts" / "tokenizer" / "tokenizer.json").read_bytes() == (
+        new_bpe / "tokenizer.json"
+    ).read_bytes() != (bpe / "tokenizer.json").read_bytes()
+
+    # Our model with the final weights, and the tokenizer they were trained with, before the data goes.
+    task = HFLMTask(model=TINY_GPT2, text=mine, text_key="body", max_len=32)
+    task.prepare(tmp_path / "data")
+    ours = task.build_model().eval()
+    ours.load_state_dict(ckpt.read_file(resumed.checkpoint, ckpt.STATE)["model"])
+    ids = torch.tensor([task._tokenizer()("the list 3: alpha beta omega")["input_ids"]])
+    copy = tmp_path / "elsewhere" / "pinned"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(tmp_path / "data")
+    settings = yaml.safe_load((copy / "config.yaml").read_text())
+    settings["task"]["name"] = "marker_task:Task"  # a module that leaves a file when imported
+    (copy / "config.yaml").write_text(yaml.safe_dump(settings))
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "marker_task.py").write_text(
+        "from pathlib import Path\nPath(__file__).with_name('imported').touch()\n"
+        "from raytrain_loops.tasks.hf_lm import HFLMTask as Task\n"
+    )
+    out = tmp_path / "exported"
+    checkpoint = copy / Path(resumed.checkpoint).name
+    cli = subprocess.run(
+        [sys.executable, "-m", "raytrain_loops.cli", "export", str(checkpoint), str(out), "--format", "hf"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{modules}"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert not (modules / "imported").exists()
+    assert (out / "tokenizer.json").read_bytes() == (copy / "artefacts" / "tokenizer" / "tokenizer.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert tokenizer("the list 3: alpha beta omega")["input_ids"] == ids[0].tolist()
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ours(input_ids=ids).logits)
