@@ -236,7 +236,10 @@ def tokenizer_from(files: dict[str, bytes]) -> Any:
         from transformers import AutoTokenizer
 
         with materialized(files) as tmp:
-            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        if len(_TOKENIZERS) >= 4:
+            del _TOKENIZERS[next(iter(_TOKENIZERS))]  # the oldest
+        _TOKENIZERS[key] = tokenizer
     return _TOKENIZERS[key]
 
 
