@@ -33,11 +33,11 @@ class UploadError(OSError):
     """The store could not be listed or written, or stopped answering."""
 
 
-def staging_dir(uri: str, root: str = STAGING_ROOT) -> Path:
+def staging_dir(uri: str, root: str | None = None) -> Path:
     """The local directory where tasks prepare the data of ``uri`` (made, with a ``uri.txt``
     naming it): one per URI, kept between runs, so a second run uploads nothing and prepares
     nothing a task caches."""
-    path = Path(root).expanduser() / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    path = Path(root or STAGING_ROOT).expanduser() / hashlib.sha256(uri.encode()).hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True)
     (path / "uri.txt").write_text(uri + "\n")
     return path

@@ -214,7 +214,10 @@ def _train_on_ray(
     from raytrain_loops.controller.announcer import Announcer
 
     ensure_ray(config)
+    from raytrain_loops.driver.nodes import check_cluster
     from raytrain_loops.driver.trainer import build_trainer
+
+    check_cluster(config, task, splits)  # every node reaches the data; CPUs for preprocessing
 
     sender = console.start()
     board = StopBoard.new(run_dir, config.scaling.num_workers)
