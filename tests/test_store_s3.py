@@ -132,6 +132,9 @@ def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_rem
 
     from raytrain_loops.callbacks.profiler import Profile
     from raytrain_loops.config import load_config
+    from raytrain_loops.data import staging
+
+    monkeypatch.setattr(staging, "STAGING_ROOT", str(tmp_path))  # not the user's cache
     from raytrain_loops.engine import Engine
     from tests import fakes
 
@@ -192,7 +195,7 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
 
 @pytest.mark.ray
 def test_the_default_recipe_with_data_and_run_in_a_bucket_survives_a_killed_worker_and_is_not_rerun(
-    ray_session, s3_root
+    ray_session, s3_root, tmp_path, monkeypatch
 ):
     # data.dir is a URI: the digits are prepared in a local staging directory, uploaded to the
     # bucket, and both workers stream them from there (data.materialize=never: not held in memory).
