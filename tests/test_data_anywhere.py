@@ -228,3 +228,63 @@ def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preproces
     check_preprocess_cpus(load_config(None, ["data.preprocess.num_cpus=2"]), images, {"train": split})  # 4 - 2 left
     with pytest.raises(ConfigError, match=r"data\.preprocess\.num_cpus.*asks 3 CPUs.*2 of them left beside the 2"):
         check_preprocess_cpus(config, images, {"train": split})
+
+
+def test_a_data_dir_only_the_head_has_stops_the_run_naming_data_dir_and_the_node(cluster, tmp_path):
+    """On two nodes that share no disk, a local data.dir streamed by the workers
+    (data.materialize=never) is refused before training, naming data.dir and the second node."""
+    import subprocess
+    import sys
+
+    cluster.start_second()
+    try:
+        assert not cluster.second_sees(tmp_path)
+        second = cluster.second_node_id()
+        args = ["default", "loop.max_steps=4", "data.materialize=never", "run.progress=false"]
+        args += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}"]
+        out = subprocess.run(
+            [sys.executable, "-m", "raytrain_loops.cli", "train", *args],
+            env={**cluster.env, "RAY_ADDRESS": cluster.gcs},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        cluster.stop_second()
+    last = out.stderr.strip().splitlines()[-1]
+    print(last)  # the error a user sees
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert last.startswith(f"raytrain-loops: error: data.dir={tmp_path / 'data'}: node ")
+    assert f"(node id {second[:12]}) cannot open split 'train' ({tmp_path / 'data' / 'digits' / 'train.parquet'})" in last
+    assert "FileNotFoundError" in last and "put data.dir on storage every node reaches" in last
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoint_*"))
+
+
+def test_the_built_in_tasks_read_a_uri_data_dir_from_the_store(s3_root, tmp_path, monkeypatch):
+    """seamseg's map-style rows, dino's k-NN bank, detr's and images' Parquet splits: every path
+    a worker reads names the bucket, and reading it there gives the rows prepared on the driver."""
+    import torch
+
+    monkeypatch.setattr(staging, "STAGING_ROOT", str(tmp_path / "staging"))
+    uri = storage.join(s3_root, "data")
+    params = {
+        "seamseg": {"train_images": 48, "validation_images": 16, "width": 8},
+        "detr": {"train_images": 64, "validation_images": 16},
+        "images": {"train_images": 300, "eval_images": 100, "size": 32, "width": 8},
+        "dino": {},
+    }
+    for name, task_params in params.items():
+        config = load_config(None, [f"task.name={name}", f"data.dir={uri}", "data.batch_size=8"])
+        config.task.params = task_params
+        task, splits, rows = prepare(config, None)
+        for split in splits.values():
+            path = split.path if isinstance(split, ParquetSplit) else split.dataset.path
+            assert path.startswith(uri.split("?")[0]) and path.endswith(uri.split("?")[1]), (name, path)
+        if name == "seamseg":
+            first = splits["train"].dataset[0]  # read from the bucket, in this process as on a worker
+            assert first["image"].shape[-1] == 3 and len(splits["train"].dataset) == rows["train"] == 48
+        if name == "dino":
+            bank, labels = task.bank(torch.device("cpu"))
+            assert task.bank_path == splits["train"].path and len(labels) == rows["train"] == 1347
+    assert {"digits", "shapes"} <= {p.split("/")[0] for p in _files(uri)}
+    assert any(p.startswith("patterns-") for p in _files(uri))

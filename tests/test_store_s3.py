@@ -132,9 +132,6 @@ def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_rem
 
     from raytrain_loops.callbacks.profiler import Profile
     from raytrain_loops.config import load_config
-    from raytrain_loops.data import staging
-
-    monkeypatch.setattr(staging, "STAGING_ROOT", str(tmp_path))  # not the user's cache
     from raytrain_loops.engine import Engine
     from tests import fakes
 
@@ -202,7 +199,9 @@ def test_the_default_recipe_with_data_and_run_in_a_bucket_survives_a_killed_work
     import raytrain_loops
     from raytrain_loops import fit
     from raytrain_loops.config import load_config
+    from raytrain_loops.data import staging
 
+    monkeypatch.setattr(staging, "STAGING_ROOT", str(tmp_path))  # not the user's cache
     recipe = Path(raytrain_loops.__file__).parent / "recipes" / "default.yaml"
     data_dir = storage.join(s3_root, "data")
     config = load_config(recipe).to_dict()
