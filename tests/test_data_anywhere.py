@@ -53,6 +53,14 @@ def test_an_upload_sends_only_what_the_store_lacks_or_holds_in_another_version(s
     storage.delete(storage.join(s3_root, "a", "one.parquet"))  # gone from the store: uploaded again
     assert staging.upload_missing(local, s3_root) == ["a/one.parquet"]
 
+    other = tmp_path / "another-driver"  # the same set prepared elsewhere: the store has it
+    _write(other / "a" / "one.parquet", b"1" * 100)
+    _write(other / "two.parquet", b"3" * 10)
+    assert staging.upload_missing(other, s3_root) == []
+    _write(other / "two.parquet", b"4" * 10)  # then changed there: uploaded
+    os.utime(other / "two.parquet", ns=(2, 2))
+    assert staging.upload_missing(other, s3_root) == ["two.parquet"]
+
 
 def test_the_staging_directory_is_one_per_uri_and_kept(tmp_path):
     a = staging.staging_dir("s3://b/x?endpoint_override=h:1", str(tmp_path))

@@ -91,8 +91,11 @@ def local_files(local: Path) -> dict[str, list[int]]:
 
 def to_upload(local: dict[str, list[int]], remote: dict[str, int], record: dict[str, list[int]]) -> list[str]:
     """The files to upload: those the store lacks or holds at another size, and those changed
-    here (size or modification time) since they were last uploaded."""
-    return [rel for rel, stamp in local.items() if remote.get(rel) != stamp[0] or record.get(rel) != stamp]
+    here (size or modification time) since they were last uploaded from here. A file never
+    uploaded from here that the store holds at its size is taken as there (another driver
+    prepared and uploaded the same set: the built-in sets' directories are keyed by their
+    parameters)."""
+    return [rel for rel, stamp in local.items() if remote.get(rel) != stamp[0] or record.get(rel, stamp) != stamp]
 
 
 class _Progress:
@@ -156,6 +159,9 @@ def upload_missing(local: Path, dest: str, say: Callable[[str], None] = _say, st
     record_path = local / RECORD
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     todo = to_upload(files, remote_sizes(dest), record)
+    if any(rel not in record and rel not in todo for rel in files):  # found on the store: recorded as uploaded
+        record.update({rel: stamp for rel, stamp in files.items() if rel not in todo})
+        storage.write_text(str(record_path), json.dumps(record))
     if not todo:
         return []
     total = sum(files[rel][0] for rel in todo)
