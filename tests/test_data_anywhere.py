@@ -212,6 +212,10 @@ def test_a_ray_data_task_that_fails_to_read_a_file_reaches_the_cli_as_its_own_er
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"raytrain-loops: train failed: FileNotFoundError: {missing} (in Ray task MapBatches(")
     assert " on node " in last and "DataContext" not in last
+    # As a training worker's failure reaches the driver: pickled (Ray Train returns the exception).
+    from ray import cloudpickle
+
+    assert root_cause(cloudpickle.loads(cloudpickle.dumps(caught.value))) == root_cause(caught.value)
 
 
 @pytest.mark.ray
