@@ -1,4 +1,4 @@
-"""Run directories on a local path or on any URI pyarrow understands."""
+"""Run directories and data on a local path or on any URI pyarrow understands."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ def join(base: str, *parts: str) -> str:
         path, query = _split(base)
         return "/".join([path.rstrip("/"), *parts]) + query
     return str(Path(base).expanduser().resolve().joinpath(*parts))
+
+
+class StorePath(str):
+    """A directory or file on an object store, as its URI, that joins like a :class:`~pathlib.Path`:
+    ``StorePath("s3://b/data?endpoint_override=h:9000") / "digits" / "train.parquet"`` is
+    ``s3://b/data/digits/train.parquet?endpoint_override=h:9000``. What :meth:`Task.splits
+    <raytrain_loops.tasks.Task.splits>` receives for a URI ``data.dir``, so that a task written for
+    a local directory (``str(data_dir / "x.parquet")``) names the object instead."""
+
+    def __truediv__(self, part: str) -> StorePath:
+        return StorePath(join(self, str(part)))
+
+    def joinpath(self, *parts: str) -> StorePath:
+        return StorePath(join(self, *map(str, parts)))
+
+    @property
+    def name(self) -> str:
+        return name(self)
 
 
 def name(path: str) -> str:

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(items):
     runs the Ray tests in a process of their own, and a Ray test left among the others would start
     a second Ray instance there."""
     for item in items:
-        if {"ray_session", "head"} & set(getattr(item, "fixturenames", ())):
+        if {"ray_session", "cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
 
 
@@ -42,3 +42,15 @@ def ray_session():
     start_local_ray(4)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The multi-node test bed (tests/multinode.py): a Ray head with token auth and a moto S3
+    server, started once for every multi-node test; each test starts, drains and stops the second
+    node (its own mount namespace: it sees none of the head's files) as it needs."""
+    from tests.multinode import running_cluster
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    with running_cluster() as running:
+        yield running

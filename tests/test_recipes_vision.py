@@ -124,6 +124,7 @@ def test_random_resized_crops_of_the_whole_image_are_the_image():
 def test_knn_on_raw_pixels_reproduces_the_reference_figure(tmp_path):
     task = build_task("dino", {})
     task.prepare(tmp_path)
+    task.splits(tmp_path)  # the driver names the bank: the train split, wherever data.dir is
     bank, bank_labels = task.bank(torch.device("cpu"))
     images, labels = task.read(tmp_path / "digits" / "test.parquet")
     accuracy = knn_accuracy(bank.flatten(1), bank_labels, images.flatten(1), labels, k=20)

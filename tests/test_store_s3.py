@@ -12,9 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import yaml
@@ -192,52 +190,34 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
     assert not any(Path(tmp_path).iterdir())  # nothing written to a local directory named "s3:"
 
 
-def _spirals_in_bucket(root: str) -> Any:
-    """The example's spirals as a task whose train split is 8 Parquet files (row groups of 128
-    rows) in the bucket under ``root``, written there now."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from examples.custom_task import SpiralTask, spirals
-    from raytrain_loops import ParquetSplit
-
-    class BucketSpirals(SpiralTask):
-        def splits(self, data_dir):
-            return {**super().splits(data_dir), "train": ParquetSplit(storage.join(root, "spirals"), ["x", "y", "label"])}
-
-        def collate(self, batch):
-            x = torch.tensor(np.stack([batch["x"], batch["y"]], 1), dtype=torch.float32)
-            return x, torch.tensor(batch["label"])
-
-    xy, label = spirals(2048, seed=0).tensors
-    fs, path = pafs.FileSystem.from_uri(storage.join(root, "spirals"))
-    fs.create_dir(path)
-    for f in range(8):
-        rows = slice(f * 256, (f + 1) * 256)
-        table = pa.table({"x": xy[rows, 0].numpy(), "y": xy[rows, 1].numpy(), "label": label[rows].numpy()})
-        pq.write_table(table, f"{path}/part-{f}.parquet", filesystem=fs, row_group_size=128)
-    return BucketSpirals()
-
-
 @pytest.mark.ray
-def test_a_run_in_a_bucket_survives_a_killed_worker_keeps_its_log_and_is_not_rerun(ray_session, s3_root):
-    # Its train split streams from 8 Parquet files in the bucket (not held in memory).
-    from examples.custom_task import CONFIG
+def test_the_default_recipe_with_data_and_run_in_a_bucket_survives_a_killed_worker_and_is_not_rerun(
+    ray_session, s3_root, tmp_path, monkeypatch
+):
+    # data.dir is a URI: the digits are prepared in a local staging directory, uploaded to the
+    # bucket, and both workers stream them from there (data.materialize=never: not held in memory).
+    import raytrain_loops
     from raytrain_loops import fit
+    from raytrain_loops.config import load_config
+    from raytrain_loops.data import staging
 
-    task = _spirals_in_bucket(storage.join(s3_root, "data"))
-    config = {
-        **CONFIG,
-        "data": {**CONFIG["data"], "materialize": "never"},
-        "loop": {"max_steps": 12},
-        "eval": {"every_steps": 4},
-        "checkpoint": {"every_steps": 4, "keep": 2, "score_metric": "eval_accuracy"},
-        "run": {"name": "in-a-bucket", "storage_path": s3_root, "progress": False, "max_failures": 1},
-        "fault": {"plan": [{"step": 6, "rank": 0, "kind": "kill"}]},  # rank 0 writes the run log
-    }
+    monkeypatch.setattr(staging, "STAGING_ROOT", str(tmp_path))  # not the user's cache
+    recipe = Path(raytrain_loops.__file__).parent / "recipes" / "default.yaml"
+    data_dir = storage.join(s3_root, "data")
+    config = load_config(recipe).to_dict()
+    config.update(
+        data={**config["data"], "dir": data_dir, "materialize": "never"},
+        loop={**config["loop"], "epochs": 1, "max_steps": 12},
+        eval={"every_steps": 4},
+        checkpoint={"every_steps": 4, "keep": 2, "score_metric": "eval_accuracy"},
+        run={"name": "in-a-bucket", "storage_path": s3_root, "progress": False, "max_failures": 1},
+        fault={"plan": [{"step": 6, "rank": 0, "kind": "kill"}]},  # rank 0 writes the run log
+    )
+    task = None
     result = fit(config, task=task)  # Ray Train's storage_path is the same URI
     run = storage.join(s3_root, "in-a-bucket")
+    assert set(_files(data_dir)) >= {"digits/train.parquet", "digits/test.parquet"}  # uploaded
+    assert not Path("s3:").exists()  # nothing written to a local directory named after the URI
     assert result.metrics["step"] == 12 and storage.name(result.checkpoint) == "checkpoint_00000012"
     files = _files(run)
     assert "faults/0.fired" in files  # the kill happened

@@ -92,7 +92,11 @@ class DataConfig:
         "Parquet: the split's row groups are cut into chunks of at most this many rows, permuted over the whole split "
         "every epoch and dealt out to the workers; row groups much larger than this are read more than once.",
     )
-    dir: str = opt("~/.cache/raytrain_loops", "Directory where bundled data sets are written as Parquet.")
+    dir: str = opt(
+        "~/.cache/raytrain_loops",
+        "Directory where bundled data sets are written as Parquet: a local path, or a URI pyarrow opens (s3://, gs://), "
+        "prepared in a local staging directory and uploaded; a cluster whose nodes share no disk needs a URI.",
+    )
     loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
     prefetch_batches: int = opt(
         2, "Parquet: batches prepared ahead (0: none; without preprocess, one window read ahead on a thread)."

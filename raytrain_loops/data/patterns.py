@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from raytrain_loops.storage import StorePath
+
 KINDS = ("rectangle", "ellipse", "triangle", "cross", "diamond")
 CLASSES = tuple(f"{kind} {style}" for kind in KINDS for style in ("filled", "outline"))
 ROWS_PER_FILE = 8192
@@ -50,7 +52,8 @@ class PatternsSpec:
         if self.size < 32:
             raise ValueError(f"task.params.size must be >= 32; got {self.size}")
 
-    def directory(self, data_dir: Path) -> Path:
+    def directory(self, data_dir: Path | StorePath) -> Path | StorePath:
+        """The set's directory under ``data_dir``: a local one, or a URI's (``data.dir`` on a store)."""
         digest = hashlib.sha256(json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True).encode()).hexdigest()
         return data_dir / f"patterns-{digest[:10]}"
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from raytrain_loops.storage import StorePath
+
 CLASSES = ("rectangle", "ellipse", "triangle")
 COLUMNS = ["image", "labels", "boxes", "masks"]
 SPLITS = ("train", "validation")
@@ -76,9 +78,11 @@ class ShapesSpec:
             out["widths"] = list(self.widths)
         return out
 
-    def directory(self, data_dir: Path) -> Path:
+    def directory(self, data_dir: Path | StorePath) -> Path | StorePath:
+        """The set's directory under ``data_dir``: a local one, or a URI's (``data.dir`` on a store)."""
         key = json.dumps([FORMAT, self.key()], sort_keys=True)
-        return Path(data_dir) / "shapes" / hashlib.sha256(key.encode()).hexdigest()[:12]
+        base = data_dir if isinstance(data_dir, StorePath) else Path(data_dir)
+        return base / "shapes" / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _mask(kind: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:

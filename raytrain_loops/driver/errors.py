@@ -2,20 +2,63 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+HINTS = ("Failed to apply UDF transform", "To change retry attempts")
+"""The lines Ray Data appends to a failed task's own message (its retry count and how to
+configure retries), left out of the cause shown."""
+_WHERE = re.compile(r"ray::(?P<fn>[^\s(]+(?:\([^)]*\))?)\S*\s*\(pid=(?P<pid>\d+), ip=(?P<ip>[^,)\s]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MAX_MESSAGE = 1000
 
 
 def root_cause(err: BaseException) -> str:
-    """The innermost meaningful message of a (possibly Ray-wrapped) training failure."""
-    worker_failures = getattr(err, "worker_failures", None)
-    if isinstance(worker_failures, dict) and worker_failures:
-        inner = next(iter(worker_failures.values()))
-        return root_cause(inner)
-    cause = getattr(err, "cause", None) or err.__cause__
-    if isinstance(cause, BaseException) and cause is not err:
-        return root_cause(cause)
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
+    """The innermost meaningful error of a (possibly Ray-wrapped) training failure: its type and
+    its own message (without the retry hints Ray Data appends), and, when it was raised in a Ray
+    task or actor (a Ray Data preprocessing or read task), which one and on which node."""
+    where = ""
+    while True:
+        worker_failures = getattr(err, "worker_failures", None)
+        if isinstance(worker_failures, dict) and worker_failures:
+            err = next(iter(worker_failures.values()))
+            continue
+        where = _where(err) or where
+        cause = getattr(err, "cause", None) or err.__cause__
+        if not isinstance(cause, BaseException) or cause is err:
+            break
+        err = cause
+    name = type(err).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        name = name[len("RayTaskError(") : -1]
+    text = f"{name}: {own_message(err)}"
+    return f"{text} (in {where})" if where else text
+
+
+def own_message(err: BaseException) -> str:
+    """An exception's message as its raiser wrote it: the lines before the hints Ray Data appends
+    (:data:`HINTS`), on one line; a message that holds a traceback, its last line."""
+    lines = []
+    for line in _ANSI.sub("", str(err)).strip().splitlines():
+        if line.startswith(HINTS):
+            break
+        lines.append(line.strip())
+    lines = [line for line in lines if line]
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        lines = lines[-1:]
+    text = " ".join(lines)
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+
+
+def _where(err: BaseException) -> str:
+    """For an error Ray raised on behalf of a task or actor (``RayTaskError``): the task and its
+    node, as Ray's first line names them (``ray::MapBatches(fn)() (pid=1, ip=10.0.0.2)``)."""
+    if not any(t.__name__ == "RayTaskError" for t in type(err).__mro__):
+        return ""
+    found = _WHERE.search(_ANSI.sub("", str(err)))
+    if not found:
+        return ""
+    return f"Ray task {found['fn']} on node {found['ip']}, pid {found['pid']}"
 
 
 def worker_traceback(err: BaseException) -> str | None:

@@ -215,8 +215,12 @@ def _train_on_ray(
     """Start (or join) Ray and run the TorchTrainer; the last reported metrics and checkpoint."""
     from raytrain_loops.controller.announcer import Announcer
 
-    ensure_ray(config)
+    s = config.scaling  # a local Ray is sized for a preprocessing task beside the workers
+    ensure_ray(config, s.num_workers * s.cpus_per_worker + config.data.preprocess.num_cpus)
+    from raytrain_loops.driver.nodes import check_cluster
     from raytrain_loops.driver.trainer import build_trainer
+
+    check_cluster(config, task, splits)  # every node reaches the data; CPUs for preprocessing
 
     sender = console.start()
     board = StopBoard.new(run_dir, config.scaling.num_workers)

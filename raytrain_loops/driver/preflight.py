@@ -22,7 +22,6 @@ class DataError(ValueError):
     """A data file, directory or column a task needs is missing."""
 
 
-
 def run_name(config: Config, task: Task) -> str:
     """The run's name: ``run.name``, or the task's class name and a hash of everything that
     shapes the result, so the same command maps to the same run directory. The run's length is
@@ -40,7 +39,6 @@ def run_name(config: Config, task: Task) -> str:
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
-
 
 
 def check_parquet(split_name: str, split: ParquetSplit) -> int:
@@ -97,13 +95,46 @@ def check_blocks(config: Config, task: Task) -> None:
         )
 
 
+def data_location(data_dir: str) -> tuple[Path, Path | storage.StorePath]:
+    """Where tasks prepare ``data.dir`` and where their splits name it: a local directory twice
+    (resolved: workers run in another directory), or, for a URI, the local staging directory
+    kept for it (:func:`~raytrain_loops.data.staging.staging_dir`) and the URI. A URI pyarrow
+    cannot open is refused, naming the key."""
+    if data_dir.startswith("file://"):
+        data_dir = data_dir.removeprefix("file://")
+    if not storage.is_uri(data_dir):
+        local = Path(data_dir).expanduser().resolve()
+        return local, local
+    import pyarrow.fs as pafs
+
+    from raytrain_loops.data.staging import staging_dir
+
+    try:
+        pafs.FileSystem.from_uri(data_dir)
+    except Exception as err:  # an unknown scheme, a malformed URI
+        raise ConfigError("data.dir", f"{data_dir!r} is not a URI pyarrow can open: {err}") from None
+    return staging_dir(data_dir), storage.StorePath(data_dir)
+
+
+def upload_staged(staged: Path, data_dir: str) -> None:
+    """Upload what the task prepared in ``staged`` to the URI ``data_dir`` (what is missing or
+    differs there); an unreachable or failing store is refused naming ``data.dir``."""
+    from raytrain_loops.data.staging import UploadError, upload_missing
+
+    try:
+        upload_missing(staged, data_dir)
+    except UploadError as err:
+        raise DataError(f"data.dir={data_dir}: cannot upload the prepared data from {staged}: {err}") from None
+
 
 def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
     """Build the task and check its data on the driver, before any Ray work starts."""
     task = task or build_task(config.task.name, config.task.params)
     check_blocks(config, task)
-    data_dir = Path(config.data.dir).expanduser().resolve()  # workers run in another directory
-    task.prepare(data_dir)
+    staged, data_dir = data_location(config.data.dir)
+    task.prepare(staged)
+    if staged != data_dir:
+        upload_staged(staged, data_dir)
     splits = task.splits(data_dir)
     if "train" not in splits:
         raise DataError(f"task {config.task.name!r} has no 'train' split (it has: {', '.join(splits) or 'none'})")
@@ -130,7 +161,6 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
     return task, splits, rows
 
 
-
 def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:
     """Rank 0's batch sampler of the train split with all ``scaling.num_workers`` workers, and its
     ``len`` (the same on every rank, by the sampler's contract). Raises :class:`DataError` naming
@@ -149,7 +179,6 @@ def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:
     return sampler, batches
 
 
-
 def check_batch_sampler(config: Config, split: MapSplit, rows: int) -> None:
     """Build the train split's batch sampler as rank 0 does and read its first epoch, so a
     sampler that fails or names rows the dataset lacks stops the run before Ray starts."""
@@ -163,7 +192,6 @@ def check_batch_sampler(config: Config, split: MapSplit, rows: int) -> None:
         )
 
 
-
 def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) -> int:
     """The run's length in optimizer steps with all ``scaling.num_workers`` workers, as the loop
     will count it on every worker."""
@@ -175,7 +203,6 @@ def planned_steps(config: Config, splits: dict[str, Any], rows: dict[str, int]) 
             rows["train"], config.scaling.workers, config.data.batch_size, padded=isinstance(train, MapSplit)
         )
     return total_steps(config.loop, config.accum, per_worker)
-
 
 
 def warn_emulated_bf16(config: Config) -> bool:

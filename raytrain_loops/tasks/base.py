@@ -20,6 +20,7 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.storage import StorePath
 
 
 @dataclass
@@ -63,10 +64,18 @@ class Task:
             raise TypeError(f"{type(self).__name__} takes no task.params; got {sorted(params)}")
 
     def prepare(self, data_dir: Path) -> None:
-        """Write or check data on the driver (idempotent). ``data_dir`` is a cache directory."""
+        """Write or check data on the driver (idempotent). ``data_dir`` is always a local cache
+        directory: ``data.dir`` itself, or, when ``data.dir`` is a URI (``s3://...``), a staging
+        directory kept on the driver for that URI, whose files are then uploaded to it (only
+        those the store lacks or holds in another version)."""
 
-    def splits(self, data_dir: Path) -> dict[str, ParquetSplit | MapSplit]:
-        """The data: a ``train`` split and optionally an ``eval`` split."""
+    def splits(self, data_dir: Path | StorePath) -> dict[str, ParquetSplit | MapSplit]:
+        """The data: a ``train`` split and optionally an ``eval`` split, named under ``data_dir``:
+        the local ``data.dir``, or a URI ``data.dir`` as a :class:`~raytrain_loops.storage.StorePath`
+        (it joins like a ``Path``: ``str(data_dir / "train.parquet")`` is the object's URI). Called
+        on the driver; the splits travel to every worker, which reads their paths itself (a
+        streamed Parquet split, a map-style dataset that reads files), so on a cluster whose nodes
+        share no disk they must name the store, never a path on the driver's disk."""
         raise NotImplementedError
 
     def build_model(self) -> nn.Module:

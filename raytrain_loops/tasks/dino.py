@@ -35,7 +35,7 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext, unwrap
-from raytrain_loops.tasks.base import EvalOutput, params_at_least
+from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, params_at_least
 from raytrain_loops.tasks.digits import COLUMNS, DigitsTask, SmallCNN
 
 TEACHER_TEMP = "teacher_temp"
@@ -259,13 +259,16 @@ class DinoTask(DigitsTask):
         self.global_scale, self.local_scale = tuple(global_scale), tuple(local_scale)
         self.max_rotation, self.intensity = max_rotation, intensity
         self.student_temp, self.center_momentum, self.knn_k = student_temp, center_momentum, knn_k
-        self.bank_path: Path | None = None  # set by prepare() on the driver
+        self.bank_path: str | None = None  # set by splits() on the driver: a local path or a URI
         self._bank: tuple[torch.Tensor, torch.Tensor] | None = None  # the training split, per worker
         self._initial_backbone: nn.Module | None = None  # the k-NN baseline, per worker
 
-    def prepare(self, data_dir: Path) -> None:
-        super().prepare(data_dir)
-        self.bank_path = Path(self.splits(data_dir)["train"].path)
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        """The digits splits; the k-NN bank is the train split, read on every worker from where
+        the split names it (``data.dir``: a local path or the store)."""
+        splits = super().splits(data_dir)
+        self.bank_path = splits["train"].path
+        return splits
 
     def build_model(self) -> nn.Module:
         model = DinoModel(self.width, self.out_dim, self.hidden_dim, self.bottleneck_dim, self.head_bn)
@@ -317,7 +320,7 @@ class DinoTask(DigitsTask):
 
     def evaluate(self, model: nn.Module, batch, metrics=None) -> EvalOutput:
         if self._initial_backbone is None or self.bank_path is None:
-            raise RuntimeError("DinoTask.evaluate needs prepare() and build_model() to have run")
+            raise RuntimeError("DinoTask.evaluate needs splits() and build_model() to have run")
         x, y = batch
         bank_x, bank_y = self.bank(x.device)
         features = model.features(x)

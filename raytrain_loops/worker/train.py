@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import functools
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
+from raytrain_loops.data.reach import check_here
 from raytrain_loops.driver.errors import Stopped
 from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.guards import TrainingError
@@ -72,6 +74,8 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    node = f"{ray.util.get_node_ip_address()} (node id {ray.get_runtime_context().get_node_id()[:12]})"
+    check_here(payload.config.data.dir, payload.splits, node)  # this attempt's node reaches the data
     sender = payload.console or Sender(None)
     try:
         wired = wire(
