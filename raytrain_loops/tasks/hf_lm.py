@@ -12,7 +12,8 @@ standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the 
 split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the criterion sums the
 cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
-``lm`` recipe's). No network access: hub look-ups are off.
+``lm`` recipe's). No network access: every load passes ``local_files_only``, and no hub setting of
+the process is changed.
 
 Across nodes: :meth:`prepare` reads the tokenizer's files and the model directory's config and
 safetensors weights on the driver, and the task carries their contents, never a driver path. The

@@ -38,9 +38,9 @@ WEIGHTS_INDEX = "model.safetensors.index.json"  # the file list of weights in se
 
 
 def require_hf() -> None:
-    """The ``hf`` extra's libraries, or an error that says which extra to install."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never a hub look-up (read at import)
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    """The ``hf`` extra's libraries, or an error that says which extra to install. No hub setting
+    of the process is changed (a caller's later downloads work): every load here passes
+    ``local_files_only=True`` instead."""
     missing = []
     for module in ("transformers", "tokenizers", "safetensors"):
         try:
