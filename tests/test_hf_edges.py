@@ -175,7 +175,8 @@ def test_a_malformed_jsonl_line_is_an_error_naming_the_file_and_line(tmp_path, l
 
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "fine"}\n' + line + "\n")
-    with pytest.raises(ConfigError, match=rf"task.params.text.train: '{path}' {error}"):
+    key = "task.params.text_key" if "no key" in error else "task.params.text.train"
+    with pytest.raises(ConfigError, match=rf"{key}: '{path}' {error}"):
         read_documents([str(path)], "text", "task.params.text.train")
 
 

@@ -71,24 +71,50 @@ def _files(paths: list[str], key: str) -> list[Path]:
 
 def read_documents(paths: list[str], text_key: str, key: str) -> list[str]:
     """Every document of ``paths`` (JSONL lines or Parquet rows; directories searched for both),
-    in a fixed order; an error naming the file when a row lacks ``text_key``."""
+    in a fixed order. An empty document (``""`` or null) is left out in both formats; anything
+    else that is not a string (a line that is not a JSON object, invalid JSON, a number, a column
+    of another type) is an error naming ``key``, the file and the line or column."""
     docs: list[str] = []
     for f in _files(paths, key):
-        if f.suffix == ".parquet":
-            import pyarrow.parquet as pq
+        docs.extend(_parquet_documents(f, text_key, key) if f.suffix == ".parquet" else _jsonl_documents(f, text_key, key))
+    return docs
 
-            table = pq.read_table(f)
-            if text_key not in table.column_names:
-                raise ConfigError("task.params.text_key", f"{str(f)!r} has no column {text_key!r}")
-            docs.extend(str(t) for t in table.column(text_key).to_pylist() if t)
+
+def _parquet_documents(f: Path, text_key: str, key: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(f)
+    if text_key not in table.column_names:
+        raise ConfigError("task.params.text_key", f"{str(f)!r} has no column {text_key!r}")
+    column = table.column(text_key)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ConfigError(key, f"{str(f)!r} column {text_key!r} is {column.type}, not text")
+    return [t for t in column.to_pylist() if t]
+
+
+def _jsonl_documents(f: Path, text_key: str, key: str) -> list[str]:
+    try:
+        lines = f.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, f"{str(f)!r} is not UTF-8 ({err.reason} at byte {err.start})") from None
+    docs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
+        try:
             row = json.loads(line)
-            if text_key not in row:
-                raise ConfigError("task.params.text_key", f"{str(f)!r} line {n} has no key {text_key!r}")
-            docs.append(str(row[text_key]))
+        except json.JSONDecodeError as err:
+            raise ConfigError(key, f"{str(f)!r} line {n}: not valid JSON ({err.msg}, column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(key, f"{str(f)!r} line {n}: not a JSON object (a {type(row).__name__})")
+        if text_key not in row:
+            raise ConfigError("task.params.text_key", f"{str(f)!r} line {n} has no key {text_key!r}")
+        text = row[text_key]
+        if text is not None and not isinstance(text, str):
+            raise ConfigError(key, f"{str(f)!r} line {n}: {text_key!r} is {type(text).__name__}, not a string")
+        if text:
+            docs.append(text)
     return docs
 
 
