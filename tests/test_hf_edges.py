@@ -23,7 +23,6 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
-from raytrain_loops.data.parquet import ROW_SEED
 from tests import fakes
 from tests.test_hf_lm import TINY_GPT2, _config, _corpus, corpus  # noqa: F401  (the module's text fixture)
 

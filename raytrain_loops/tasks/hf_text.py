@@ -22,7 +22,7 @@ from typing import Any
 from raytrain_loops.config import ConfigError
 
 EOS = "<|endoftext|>"
-FORMAT = 2  # bump when the packing rules or the row layout change (a new cache directory)
+FORMAT = 3  # bump when the packing rules or the row layout change (a new cache directory)
 # A tokenizer directory's files that AutoTokenizer reads for a fast tokenizer (tokenizer.json
 # holds the whole of it; the rest its class, special tokens and chat template).
 TOKENIZER_FILES = (
@@ -76,7 +76,8 @@ def read_documents(paths: list[str], text_key: str, key: str) -> list[str]:
     of another type) is an error naming ``key``, the file and the line or column."""
     docs: list[str] = []
     for f in _files(paths, key):
-        docs.extend(_parquet_documents(f, text_key, key) if f.suffix == ".parquet" else _jsonl_documents(f, text_key, key))
+        read = _parquet_documents if f.suffix == ".parquet" else _jsonl_documents
+        docs.extend(read(f, text_key, key))
     return docs
 
 
@@ -178,30 +179,42 @@ def train_bpe(docs: list[str], vocab_size: int, out: Path) -> Path:
 
 
 def chunks(tokenizer: Any, docs: list[str], max_len: int) -> Iterator[str]:
-    """The documents, the tokenizer's end-of-text token after each, cut into pieces of
-    ``max_len + 1`` tokens (the inputs and the targets shifted by one; the last piece may be
-    shorter): each piece's text, the end token as its literal, which the tokenizer reads back as
-    the one token."""
+    """The documents, the tokenizer's end-of-text token after each, cut into pieces of at most
+    ``max_len + 1`` tokens (the inputs and the targets shifted by one): each piece's text, the
+    end token as its literal, which the tokenizer reads back as the one token. A piece ends
+    between characters: when a character's tokens (a byte-level BPE splits a multi-byte one)
+    would straddle a piece's end, the piece ends before it, a few tokens short, so that no
+    character is in two pieces."""
     eos, size = tokenizer.eos_token, max_len + 1
     text: list[str] = []
     held = 0
     for doc in docs:
         offsets = [*tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], None]
-        i = 0
+        i = pos = 0  # the next token, and the character where the next piece's text starts
         while i < len(offsets):
-            part = offsets[i : i + size - held]  # None: the end token after the document
-            real = [o for o in part if o is not None]
-            if real:
-                text.append(doc[real[0][0] : real[-1][1]])
-            if part[-1] is None:
-                text.append(eos)
-            held += len(part)
-            i += len(part)
-            if held == size:
+            room = size - held
+            n = _whole_characters(offsets, i, room) or (room if held == 0 else 0)
+            if n:
+                part = offsets[i : i + n]  # None: the end token after the document
+                end = len(doc) if part[-1] is None else part[-1][1]
+                text.append(doc[pos:end] + (eos if part[-1] is None else ""))
+                held, i, pos = held + n, i + n, end
+            if held == size or (n < room and i < len(offsets)):  # full, or the next character does not fit
                 yield "".join(text)
                 text, held = [], 0
     if held > 1:
         yield "".join(text)
+
+
+def _whole_characters(offsets: list[Any], i: int, room: int) -> int:
+    """How many of the tokens from ``i`` on (at most ``room``) end on a character boundary: a
+    token that begins before the previous one ends shares a character with it."""
+    n = min(room, len(offsets) - i)
+    if i + n == len(offsets):
+        return n
+    while n > 0 and None not in (offsets[i + n - 1], offsets[i + n]) and offsets[i + n][0] < offsets[i + n - 1][1]:
+        n -= 1
+    return n
 
 
 def write_rows(tokenizer: Any, docs: list[str], max_len: int, path: Path) -> int:
