@@ -273,7 +273,8 @@ class HFLMTask(Task):
         inputs, targets, ntokens, nbytes = batch
         logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        logs = {"bpb": loss.detach() / (max(nbytes, 1) * LN2)}
+        # Weighted by the bytes, not the tokens: over an interval, the sum of nll over the sum of bytes.
+        logs = {"bpb": (loss.detach() / (max(nbytes, 1) * LN2), nbytes)}
         return LossOutput(loss, sample_size=ntokens, logs=logs)
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
