@@ -2,8 +2,9 @@
 loop (fairseq's normalisation by target tokens over all workers, exact resume, the engine's
 non-finite and OOM decisions) on a user's own text, with a real tokenizer.
 
-``model``: a local model directory (``config.json``; its safetensors weights, when present, are
-loaded: fine-tuning) or an inline config (``model_type`` and its fields: training from scratch).
+``model``: a local model directory (``config.json``; its weights, when present, are loaded:
+fine-tuning; safetensors, or ``pytorch_model.bin`` read as weights only, other formats refused)
+or an inline config (``model_type`` and its fields: training from scratch).
 ``tokenizer``: a local tokenizer directory, or ``{train: {vocab_size: N}}``, a byte-level BPE
 trained on the training text once on the driver (cached by its inputs). ``text``: ``{train:
 [files or directories], eval: [...]}`` of JSONL or Parquet (the text under ``text_key``), or, empty, the Python
@@ -16,7 +17,7 @@ token and ``bpb``, bits per byte of the original text (comparable across tokeniz
 the process is changed.
 
 Across nodes: :meth:`prepare` reads the tokenizer's files and the model directory's config and
-safetensors weights on the driver, and the task carries their contents, never a driver path. The
+weights (as safetensors) on the driver, and the task carries their contents, never a driver path. The
 copy Ray Data ships to every preprocessing task (:meth:`preprocessing_copy`) holds the tokenizer
 only; the weights reach the training workers with the train function, which Ray Train puts in
 the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
@@ -55,6 +56,7 @@ from raytrain_loops.tasks.hf_text import (
     tokenizer_from,
     train_bpe,
     weight_files,
+    weight_names,
     write_rows,
 )
 
@@ -88,7 +90,7 @@ class HFLMTask(Task):
         # Set by prepare() on the driver and shipped with the task, by content:
         self.tokenizer_files: dict[str, bytes] = {}  # the tokenizer directory's files
         self.model_files: dict[str, bytes] = {}  # config.json (and generation_config.json)
-        self._weights: dict[str, bytes] = {}  # the model directory's safetensors: training workers only
+        self._weights: dict[str, bytes] = {}  # the model directory's weights, as safetensors: training workers only
         self._rows_digest: str | None = None
         self.vocab_size = 0
         self.eos_id = 0
@@ -292,7 +294,7 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
         raise ConfigError("task.params.model", f"{model!r}: no such directory (a local model directory, or an inline config)")
     elif not (Path(model) / "config.json").exists():
         raise ConfigError("task.params.model", f"{model!r} has no config.json (a local model directory)")
-    elif isinstance(tokenizer, dict) and any(Path(model).glob("*.safetensors")):
+    elif weight_names(model) and isinstance(tokenizer, dict):
         raise ConfigError(
             "task.params.tokenizer",
             f"a new tokenizer's ids mean nothing to the trained weights in {model}: name the model's own tokenizer "

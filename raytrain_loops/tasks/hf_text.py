@@ -35,6 +35,9 @@ TOKENIZER_FILES = (
 )
 CONFIG_FILES = ("config.json", "generation_config.json")  # what a model's weights are read with
 WEIGHTS_INDEX = "model.safetensors.index.json"  # the file list of weights in several shards
+BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # older directories' weights
+# Weights in formats not read here: a directory holding only these is refused, never trained from scratch.
+OTHER_WEIGHTS = ("*.h5", "*.msgpack", "*.ckpt", "*.pt", "*.pth", "*.gguf", "pytorch_model-*.bin")
 
 
 def require_hf() -> None:
@@ -239,11 +242,66 @@ def read_files(directory: str, names: tuple[str, ...]) -> dict[str, bytes]:
     return {n: (root / n).read_bytes() for n in names if (root / n).is_file()}
 
 
-def weight_files(directory: str) -> dict[str, bytes]:
-    """The safetensors weights of a model directory (and their index, when sharded), by name."""
+def weight_names(directory: str) -> list[str]:
+    """The weight files of a model directory that :func:`weight_files` reads: its safetensors,
+    else its ``pytorch_model.bin`` (or the shards its index names); none for a directory with a
+    config only. Weights only in a format not read here are an error naming
+    ``task.params.model``: never a model trained from random weights in their place."""
     root = Path(directory)
     names = sorted(f.name for f in root.glob("*.safetensors"))
-    return read_files(directory, (*names, WEIGHTS_INDEX)) if names else {}
+    if names:
+        return names
+    if (root / BIN_INDEX).is_file():
+        return sorted(set(json.loads((root / BIN_INDEX).read_text())["weight_map"].values()))
+    if (root / BIN_WEIGHTS).is_file():
+        return [BIN_WEIGHTS]
+    other = sorted({f.name for pattern in OTHER_WEIGHTS for f in root.glob(pattern)})
+    if other:
+        raise ConfigError(
+            "task.params.model",
+            f"{directory} holds weights in {', '.join(other)}, which are not read here: give it the weights as "
+            "safetensors or pytorch_model.bin (or remove them to train from scratch)",
+        )
+    return []
+
+
+def weight_files(directory: str) -> dict[str, bytes]:
+    """The weights of a model directory as safetensors, by name: its safetensors files (and their
+    index, when sharded), or its ``pytorch_model.bin`` read with ``torch.load(weights_only=True)``
+    (nothing in it runs) and carried as one ``model.safetensors``; empty when it has none."""
+    names = weight_names(directory)
+    if not names or names[0].endswith(".safetensors"):
+        return read_files(directory, (*names, WEIGHTS_INDEX)) if names else {}
+    return {"model.safetensors": _bin_as_safetensors(Path(directory), names)}
+
+
+def _bin_as_safetensors(root: Path, names: list[str]) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    state: dict[str, Any] = {}
+    for name in names:
+        try:
+            part = torch.load(root / name, map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refuses anything but tensors and plain containers
+            lines = str(err).splitlines() or [type(err).__name__]
+            why = next((line for line in lines if "Unsupported" in line), lines[0]).split(" was not an allowed")[0]
+            raise ConfigError(
+                "task.params.model",
+                f"{root / name} cannot be read as weights only (torch.load weights_only=True: {why.strip()[:200]}); "
+                "save the model's weights as safetensors",
+            ) from None
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ConfigError("task.params.model", f"{root / name} is not a state dict of tensors")
+        state.update(part)
+    # Tied weights share one storage, which safetensors refuses: a storage seen before is copied.
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen or not tensor.is_contiguous():
+            state[key] = tensor.contiguous().clone()
+        seen.add(ptr)
+    return save(state, metadata={"format": "pt"})
 
 
 def files_digest(files: dict[str, bytes]) -> str:
