@@ -27,6 +27,7 @@ the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -313,3 +314,27 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
         raise ConfigError("task.params.text", f"takes train and eval (lists of files or directories); got {sorted(text)}")
     if max_len < 2:
         raise ConfigError("task.params.max_len", f"must be >= 2; got {max_len}")
+    if not isinstance(model, dict):
+        _check_vocab(model, tokenizer)
+
+
+def _check_vocab(model: str, tokenizer: str | dict) -> None:
+    """A tokenizer larger than the model directory's vocabulary refused from the files alone, as
+    the task is built: before a BPE is trained, Ray starts or a tracking run exists (the size a
+    BPE is asked for; a tokenizer directory's tokens, its added ones among them)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError("task.params.model", f"{model}/config.json is not valid JSON ({err})") from None
+    size = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(size, int):
+        return  # not at the top of the config: checked once the tokenizer is loaded
+    if isinstance(tokenizer, dict):
+        tokens = int(tokenizer["train"]["vocab_size"])
+    else:
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer).expanduser() / "tokenizer.json"
+        tokens = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    if tokens > size:
+        raise ConfigError("task.params.tokenizer", f"has {tokens} tokens, more than the {size} of the model in {model}")
