@@ -69,6 +69,21 @@ def test_pytorch_model_bin_weights_are_loaded_as_weights_only_and_anything_else_
     # The weights travel as safetensors: the workers' copy never unpickles anything.
     assert set(task._weights) == {"model.safetensors"}
 
+    # Shards named by pytorch_model.bin.index.json, as transformers wrote large models.
+    from raytrain_loops.tasks.hf_text import CONFIG_FILES, model_from, read_files, weight_files
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    keys = list(saved)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, names in shards.items():
+        torch.save({k: saved[k] for k in names}, sharded / name)
+    weight_map = {k: name for name, names in shards.items() for k in names}
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    rebuilt = model_from(read_files(str(sharded), CONFIG_FILES), weight_files(str(sharded))).state_dict()
+    assert all(torch.equal(rebuilt[k], saved[k]) for k in saved)
+
     # A new BPE for these trained weights is refused, as for safetensors.
     with pytest.raises(ConfigError, match="task.params.tokenizer: a new tokenizer's ids mean nothing"):
         HFLMTask(model=str(model_dir), tokenizer={"train": {"vocab_size": 400}})

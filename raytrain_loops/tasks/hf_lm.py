@@ -335,6 +335,9 @@ def _check_vocab(model: str, tokenizer: str | dict) -> None:
         from tokenizers import Tokenizer
 
         path = Path(tokenizer).expanduser() / "tokenizer.json"
-        tokens = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+        try:
+            tokens = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+        except Exception as err:  # the tokenizers library's own parse error
+            raise ConfigError("task.params.tokenizer", f"{path} cannot be read as a tokenizer ({err})") from None
     if tokens > size:
         raise ConfigError("task.params.tokenizer", f"has {tokens} tokens, more than the {size} of the model in {model}")

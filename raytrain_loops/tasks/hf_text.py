@@ -252,7 +252,10 @@ def weight_names(directory: str) -> list[str]:
     if names:
         return names
     if (root / BIN_INDEX).is_file():
-        return sorted(set(json.loads((root / BIN_INDEX).read_text())["weight_map"].values()))
+        try:
+            return sorted(set(json.loads((root / BIN_INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError("task.params.model", f"{root / BIN_INDEX} has no readable weight_map ({err!r})") from None
     if (root / BIN_WEIGHTS).is_file():
         return [BIN_WEIGHTS]
     other = sorted({f.name for pattern in OTHER_WEIGHTS for f in root.glob(pattern)})
