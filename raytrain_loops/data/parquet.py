@@ -331,19 +331,30 @@ def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: boo
     """Cut NumPy batches into batches of ``size`` rows, each passed through ``collate``; rows
     left over at the end of one fetched batch are joined with the next."""
     rest: dict[str, Any] | None = None
-    for batch in fetched:
-        if rest is not None:
-            batch = {k: np.concatenate([rest[k], v]) for k, v in batch.items()}
-            rest = None
-        n = len(next(iter(batch.values())))
-        start = 0
-        while n - start >= size:
-            yield collate({k: v[start : start + size] for k, v in batch.items()})
-            start += size
-        if start < n:
-            rest = {k: v[start:] for k, v in batch.items()}
-    if rest is not None and not drop_last:
-        yield collate(rest)
+    try:
+        for batch in fetched:
+            if rest is not None:
+                batch = {k: np.concatenate([rest[k], v]) for k, v in batch.items()}
+                rest = None
+            n = len(next(iter(batch.values())))
+            start = 0
+            while n - start >= size:
+                yield collate({k: v[start : start + size] for k, v in batch.items()})
+                start += size
+            if start < n:
+                rest = {k: v[start:] for k, v in batch.items()}
+        if rest is not None and not drop_last:
+            yield collate(rest)
+    finally:
+        close(fetched)  # this stream closed (its epoch ended, whatever the reason): so is what it reads
+
+
+def close(stream: Iterable[Any]) -> None:
+    """Close ``stream`` now when it can be closed (a generator: its ``finally`` runs, its files
+    and threads end), rather than when the garbage collector or a held traceback lets it go."""
+    closer = getattr(stream, "close", None)
+    if callable(closer):
+        closer()
 
 
 def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
@@ -366,6 +377,8 @@ def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
             q.put(done)
         except BaseException as err:  # handed to the consumer, raised there
             q.put(err)
+        finally:
+            close(items)  # its open files, in this thread that iterated it
 
     thread = threading.Thread(target=fill, name="parquet-prefetch", daemon=True)
     thread.start()

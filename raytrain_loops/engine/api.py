@@ -23,7 +23,8 @@ class LossOutput:
     ``loss``: a mean over the micro-batch (``loss.reduction=mean``) or a sum over its units
     (``sum``). ``sample_size``: the number of units (samples or tokens); in ``sum`` mode gradients
     are divided by its total, in both modes it weights the logged values. ``logs``: named values
-    (means over the micro-batch) to log.
+    (means over the micro-batch) to log, or ``(value, weight)`` pairs that carry their own weight
+    (bits per byte, weighted by the bytes: the interval's value is then the ratio of the sums).
 
     Instead of ``loss``, a criterion may give named ``terms`` and their ``weights`` (DETR's loss
     dict and weight dict): the loss is then ``sum(weights[k] * terms[k])``, and each term is
@@ -34,7 +35,9 @@ class LossOutput:
 
     loss: torch.Tensor | None = None
     sample_size: int | float | torch.Tensor = 1
-    logs: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    logs: dict[str, torch.Tensor | float | tuple[torch.Tensor | float, torch.Tensor | float]] = field(
+        default_factory=dict
+    )
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -231,6 +231,14 @@ def _fresh_metrics(metrics_fn: MetricsFn | None, device: torch.device) -> dict[s
     return {name: metric.to(device) for name, metric in metrics_fn().items()}
 
 
+def _close(stream: Iterable[Any]) -> None:
+    """End a split's stream when its epoch or evaluation ends, for any reason: its reading thread
+    and open files go now, not when the garbage collector or a held traceback lets them."""
+    closer = getattr(stream, "close", None)
+    if callable(closer):
+        closer()
+
+
 def _due(every: int, step: int) -> bool:
     return every > 0 and step % every == 0
 
@@ -296,17 +304,20 @@ class Loop:
         steps = steps_in_epoch(self.settings.accum, self.source.batches_per_epoch, epoch, self.scale)
         start = position.batches if position.epoch == epoch else 0
         stream = iter(self.source.batches("train", epoch, start))
-        done = start // k
-        groups = timed_groups(stream, k)
-        while done < steps and engine.step < self.total:
-            group, wait = next(groups, ([], 0.0))
-            done += 1
-            # A worker that ran out of data joins the step with placeholders (zero contribution).
-            self._step(list(group) + [None] * (k - len(group)), wait, Position(epoch, done * k))
-        if done < steps:
-            return Position(epoch, done * k), False  # a resumed run continues right here
-        for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
-            pass
+        try:
+            done = start // k
+            groups = timed_groups(stream, k)
+            while done < steps and engine.step < self.total:
+                group, wait = next(groups, ([], 0.0))
+                done += 1
+                # A worker that ran out of data joins the step with placeholders (zero contribution).
+                self._step(list(group) + [None] * (k - len(group)), wait, Position(epoch, done * k))
+            if done < steps:
+                return Position(epoch, done * k), False  # a resumed run continues right here
+            for _ in stream:  # drain the dropped remainder, so every shard's epoch ends together
+                pass
+        finally:
+            _close(stream)
         self.last_epoch = {f"train_{k}": v for k, v in end_epoch_metrics(engine).items()}
         for cb in self.callbacks:
             cb.on_epoch(self.last_epoch, engine.step, epoch)
@@ -351,9 +362,12 @@ class Loop:
         engine = self.engine
         if evaluate_now and self.source.has_eval:
             eval_batches = self.source.batches("eval", engine.epoch)
-            self.last_eval.update(
-                evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema, self.metrics_fn)
-            )
+            try:
+                self.last_eval.update(
+                    evaluate(engine, eval_batches, self.evaluate_fn, self.settings.eval_ema, self.metrics_fn)
+                )
+            finally:
+                _close(eval_batches)
             self.eval_step = engine.step
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)

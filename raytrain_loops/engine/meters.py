@@ -146,12 +146,12 @@ def log_step(
     data_time: float,
 ) -> None:
     """Add an applied update to the engine's meters: the criterion's ``logs`` (``(values,
-    weight)`` per micro-batch), the reduced loss and gradient norm, the learning rate, the
-    throughput and the step's times."""
+    weight)`` per micro-batch; a value that is a ``(value, weight)`` pair takes its own weight),
+    the reduced loss and gradient norm, the learning rate, the throughput and the step's times."""
     m = engine.meters
     for values, weight in logs:
         for name, v in values.items():
-            m.add(name, v, weight)
+            m.add(name, *v) if isinstance(v, tuple) else m.add(name, v, weight)  # a pair: its own weight
     # Host numbers, already identical on every worker: weight by 1/world so the summed
     # reduction gives back the value itself.
     w = 1.0 / engine.world_size

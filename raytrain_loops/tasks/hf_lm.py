@@ -2,8 +2,9 @@
 loop (fairseq's normalisation by target tokens over all workers, exact resume, the engine's
 non-finite and OOM decisions) on a user's own text, with a real tokenizer.
 
-``model``: a local model directory (``config.json``; its safetensors weights, when present, are
-loaded: fine-tuning) or an inline config (``model_type`` and its fields: training from scratch).
+``model``: a local model directory (``config.json``; its weights, when present, are loaded:
+fine-tuning; safetensors, or ``pytorch_model.bin`` read as weights only, other formats refused)
+or an inline config (``model_type`` and its fields: training from scratch).
 ``tokenizer``: a local tokenizer directory, or ``{train: {vocab_size: N}}``, a byte-level BPE
 trained on the training text once on the driver (cached by its inputs). ``text``: ``{train:
 [files or directories], eval: [...]}`` of JSONL or Parquet (the text under ``text_key``), or, empty, the Python
@@ -12,10 +13,11 @@ standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the 
 split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the criterion sums the
 cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
-``lm`` recipe's). No network access: hub look-ups are off.
+``lm`` recipe's). No network access: every load passes ``local_files_only``, and no hub setting of
+the process is changed.
 
 Across nodes: :meth:`prepare` reads the tokenizer's files and the model directory's config and
-safetensors weights on the driver, and the task carries their contents, never a driver path. The
+weights (as safetensors) on the driver, and the task carries their contents, never a driver path. The
 copy Ray Data ships to every preprocessing task (:meth:`preprocessing_copy`) holds the tokenizer
 only; the weights reach the training workers with the train function, which Ray Train puts in
 the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
@@ -25,6 +27,7 @@ the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,7 @@ from raytrain_loops.tasks.hf_text import (
     tokenizer_from,
     train_bpe,
     weight_files,
+    weight_names,
     write_rows,
 )
 
@@ -87,7 +91,7 @@ class HFLMTask(Task):
         # Set by prepare() on the driver and shipped with the task, by content:
         self.tokenizer_files: dict[str, bytes] = {}  # the tokenizer directory's files
         self.model_files: dict[str, bytes] = {}  # config.json (and generation_config.json)
-        self._weights: dict[str, bytes] = {}  # the model directory's safetensors: training workers only
+        self._weights: dict[str, bytes] = {}  # the model directory's weights, as safetensors: training workers only
         self._rows_digest: str | None = None
         self.vocab_size = 0
         self.eos_id = 0
@@ -272,7 +276,8 @@ class HFLMTask(Task):
         inputs, targets, ntokens, nbytes = batch
         logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        logs = {"bpb": loss.detach() / (max(nbytes, 1) * LN2)}
+        # Weighted by the bytes, not the tokens: over an interval, the sum of nll over the sum of bytes.
+        logs = {"bpb": (loss.detach() / (max(nbytes, 1) * LN2), nbytes)}
         return LossOutput(loss, sample_size=ntokens, logs=logs)
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
@@ -290,7 +295,7 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
         raise ConfigError("task.params.model", f"{model!r}: no such directory (a local model directory, or an inline config)")
     elif not (Path(model) / "config.json").exists():
         raise ConfigError("task.params.model", f"{model!r} has no config.json (a local model directory)")
-    elif isinstance(tokenizer, dict) and any(Path(model).glob("*.safetensors")):
+    elif weight_names(model) and isinstance(tokenizer, dict):
         raise ConfigError(
             "task.params.tokenizer",
             f"a new tokenizer's ids mean nothing to the trained weights in {model}: name the model's own tokenizer "
@@ -309,3 +314,30 @@ def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:
         raise ConfigError("task.params.text", f"takes train and eval (lists of files or directories); got {sorted(text)}")
     if max_len < 2:
         raise ConfigError("task.params.max_len", f"must be >= 2; got {max_len}")
+    if not isinstance(model, dict):
+        _check_vocab(model, tokenizer)
+
+
+def _check_vocab(model: str, tokenizer: str | dict) -> None:
+    """A tokenizer larger than the model directory's vocabulary refused from the files alone, as
+    the task is built: before a BPE is trained, Ray starts or a tracking run exists (the size a
+    BPE is asked for; a tokenizer directory's tokens, its added ones among them)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError("task.params.model", f"{model}/config.json is not valid JSON ({err})") from None
+    size = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(size, int):
+        return  # not at the top of the config: checked once the tokenizer is loaded
+    if isinstance(tokenizer, dict):
+        tokens = int(tokenizer["train"]["vocab_size"])
+    else:
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer).expanduser() / "tokenizer.json"
+        try:
+            tokens = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+        except Exception as err:  # the tokenizers library's own parse error
+            raise ConfigError("task.params.tokenizer", f"{path} cannot be read as a tokenizer ({err})") from None
+    if tokens > size:
+        raise ConfigError("task.params.tokenizer", f"has {tokens} tokens, more than the {size} of the model in {model}")

@@ -22,7 +22,7 @@ from typing import Any
 from raytrain_loops.config import ConfigError
 
 EOS = "<|endoftext|>"
-FORMAT = 2  # bump when the packing rules or the row layout change (a new cache directory)
+FORMAT = 3  # bump when the packing rules or the row layout change (a new cache directory)
 # A tokenizer directory's files that AutoTokenizer reads for a fast tokenizer (tokenizer.json
 # holds the whole of it; the rest its class, special tokens and chat template).
 TOKENIZER_FILES = (
@@ -35,12 +35,15 @@ TOKENIZER_FILES = (
 )
 CONFIG_FILES = ("config.json", "generation_config.json")  # what a model's weights are read with
 WEIGHTS_INDEX = "model.safetensors.index.json"  # the file list of weights in several shards
+BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # older directories' weights
+# Weights in formats not read here: a directory holding only these is refused, never trained from scratch.
+OTHER_WEIGHTS = ("*.h5", "*.msgpack", "*.ckpt", "*.pt", "*.pth", "*.gguf", "pytorch_model-*.bin")
 
 
 def require_hf() -> None:
-    """The ``hf`` extra's libraries, or an error that says which extra to install."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never a hub look-up (read at import)
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    """The ``hf`` extra's libraries, or an error that says which extra to install. No hub setting
+    of the process is changed (a caller's later downloads work): every load here passes
+    ``local_files_only=True`` instead."""
     missing = []
     for module in ("transformers", "tokenizers", "safetensors"):
         try:
@@ -71,24 +74,51 @@ def _files(paths: list[str], key: str) -> list[Path]:
 
 def read_documents(paths: list[str], text_key: str, key: str) -> list[str]:
     """Every document of ``paths`` (JSONL lines or Parquet rows; directories searched for both),
-    in a fixed order; an error naming the file when a row lacks ``text_key``."""
+    in a fixed order. An empty document (``""`` or null) is left out in both formats; anything
+    else that is not a string (a line that is not a JSON object, invalid JSON, a number, a column
+    of another type) is an error naming ``key``, the file and the line or column."""
     docs: list[str] = []
     for f in _files(paths, key):
-        if f.suffix == ".parquet":
-            import pyarrow.parquet as pq
+        read = _parquet_documents if f.suffix == ".parquet" else _jsonl_documents
+        docs.extend(read(f, text_key, key))
+    return docs
 
-            table = pq.read_table(f)
-            if text_key not in table.column_names:
-                raise ConfigError("task.params.text_key", f"{str(f)!r} has no column {text_key!r}")
-            docs.extend(str(t) for t in table.column(text_key).to_pylist() if t)
+
+def _parquet_documents(f: Path, text_key: str, key: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(f)
+    if text_key not in table.column_names:
+        raise ConfigError("task.params.text_key", f"{str(f)!r} has no column {text_key!r}")
+    column = table.column(text_key)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ConfigError(key, f"{str(f)!r} column {text_key!r} is {column.type}, not text")
+    return [t for t in column.to_pylist() if t]
+
+
+def _jsonl_documents(f: Path, text_key: str, key: str) -> list[str]:
+    try:
+        lines = f.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ConfigError(key, f"{str(f)!r} is not UTF-8 ({err.reason} at byte {err.start})") from None
+    docs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
+        try:
             row = json.loads(line)
-            if text_key not in row:
-                raise ConfigError("task.params.text_key", f"{str(f)!r} line {n} has no key {text_key!r}")
-            docs.append(str(row[text_key]))
+        except json.JSONDecodeError as err:
+            raise ConfigError(key, f"{str(f)!r} line {n}: not valid JSON ({err.msg}, column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(key, f"{str(f)!r} line {n}: not a JSON object (a {type(row).__name__})")
+        if text_key not in row:
+            raise ConfigError("task.params.text_key", f"{str(f)!r} line {n} has no key {text_key!r}")
+        text = row[text_key]
+        if text is not None and not isinstance(text, str):
+            raise ConfigError(key, f"{str(f)!r} line {n}: {text_key!r} is {type(text).__name__}, not a string")
+        if text:
+            docs.append(text)
     return docs
 
 
@@ -152,30 +182,42 @@ def train_bpe(docs: list[str], vocab_size: int, out: Path) -> Path:
 
 
 def chunks(tokenizer: Any, docs: list[str], max_len: int) -> Iterator[str]:
-    """The documents, the tokenizer's end-of-text token after each, cut into pieces of
-    ``max_len + 1`` tokens (the inputs and the targets shifted by one; the last piece may be
-    shorter): each piece's text, the end token as its literal, which the tokenizer reads back as
-    the one token."""
+    """The documents, the tokenizer's end-of-text token after each, cut into pieces of at most
+    ``max_len + 1`` tokens (the inputs and the targets shifted by one): each piece's text, the
+    end token as its literal, which the tokenizer reads back as the one token. A piece ends
+    between characters: when a character's tokens (a byte-level BPE splits a multi-byte one)
+    would straddle a piece's end, the piece ends before it, a few tokens short, so that no
+    character is in two pieces."""
     eos, size = tokenizer.eos_token, max_len + 1
     text: list[str] = []
     held = 0
     for doc in docs:
         offsets = [*tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"], None]
-        i = 0
+        i = pos = 0  # the next token, and the character where the next piece's text starts
         while i < len(offsets):
-            part = offsets[i : i + size - held]  # None: the end token after the document
-            real = [o for o in part if o is not None]
-            if real:
-                text.append(doc[real[0][0] : real[-1][1]])
-            if part[-1] is None:
-                text.append(eos)
-            held += len(part)
-            i += len(part)
-            if held == size:
+            room = size - held
+            n = _whole_characters(offsets, i, room) or (room if held == 0 else 0)
+            if n:
+                part = offsets[i : i + n]  # None: the end token after the document
+                end = len(doc) if part[-1] is None else part[-1][1]
+                text.append(doc[pos:end] + (eos if part[-1] is None else ""))
+                held, i, pos = held + n, i + n, end
+            if held == size or (n < room and i < len(offsets)):  # full, or the next character does not fit
                 yield "".join(text)
                 text, held = [], 0
     if held > 1:
         yield "".join(text)
+
+
+def _whole_characters(offsets: list[Any], i: int, room: int) -> int:
+    """How many of the tokens from ``i`` on (at most ``room``) end on a character boundary: a
+    token that begins before the previous one ends shares a character with it."""
+    n = min(room, len(offsets) - i)
+    if i + n == len(offsets):
+        return n
+    while n > 0 and None not in (offsets[i + n - 1], offsets[i + n]) and offsets[i + n][0] < offsets[i + n - 1][1]:
+        n -= 1
+    return n
 
 
 def write_rows(tokenizer: Any, docs: list[str], max_len: int, path: Path) -> int:
@@ -200,11 +242,69 @@ def read_files(directory: str, names: tuple[str, ...]) -> dict[str, bytes]:
     return {n: (root / n).read_bytes() for n in names if (root / n).is_file()}
 
 
-def weight_files(directory: str) -> dict[str, bytes]:
-    """The safetensors weights of a model directory (and their index, when sharded), by name."""
+def weight_names(directory: str) -> list[str]:
+    """The weight files of a model directory that :func:`weight_files` reads: its safetensors,
+    else its ``pytorch_model.bin`` (or the shards its index names); none for a directory with a
+    config only. Weights only in a format not read here are an error naming
+    ``task.params.model``: never a model trained from random weights in their place."""
     root = Path(directory)
     names = sorted(f.name for f in root.glob("*.safetensors"))
-    return read_files(directory, (*names, WEIGHTS_INDEX)) if names else {}
+    if names:
+        return names
+    if (root / BIN_INDEX).is_file():
+        try:
+            return sorted(set(json.loads((root / BIN_INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError("task.params.model", f"{root / BIN_INDEX} has no readable weight_map ({err!r})") from None
+    if (root / BIN_WEIGHTS).is_file():
+        return [BIN_WEIGHTS]
+    other = sorted({f.name for pattern in OTHER_WEIGHTS for f in root.glob(pattern)})
+    if other:
+        raise ConfigError(
+            "task.params.model",
+            f"{directory} holds weights in {', '.join(other)}, which are not read here: give it the weights as "
+            "safetensors or pytorch_model.bin (or remove them to train from scratch)",
+        )
+    return []
+
+
+def weight_files(directory: str) -> dict[str, bytes]:
+    """The weights of a model directory as safetensors, by name: its safetensors files (and their
+    index, when sharded), or its ``pytorch_model.bin`` read with ``torch.load(weights_only=True)``
+    (nothing in it runs) and carried as one ``model.safetensors``; empty when it has none."""
+    names = weight_names(directory)
+    if not names or names[0].endswith(".safetensors"):
+        return read_files(directory, (*names, WEIGHTS_INDEX)) if names else {}
+    return {"model.safetensors": _bin_as_safetensors(Path(directory), names)}
+
+
+def _bin_as_safetensors(root: Path, names: list[str]) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    state: dict[str, Any] = {}
+    for name in names:
+        try:
+            part = torch.load(root / name, map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refuses anything but tensors and plain containers
+            lines = str(err).splitlines() or [type(err).__name__]
+            why = next((line for line in lines if "Unsupported" in line), lines[0]).split(" was not an allowed")[0]
+            raise ConfigError(
+                "task.params.model",
+                f"{root / name} cannot be read as weights only (torch.load weights_only=True: {why.strip()[:200]}); "
+                "save the model's weights as safetensors",
+            ) from None
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ConfigError("task.params.model", f"{root / name} is not a state dict of tensors")
+        state.update(part)
+    # Tied weights share one storage, which safetensors refuses: a storage seen before is copied.
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen or not tensor.is_contiguous():
+            state[key] = tensor.contiguous().clone()
+        seen.add(ptr)
+    return save(state, metadata={"format": "pt"})
 
 
 def files_digest(files: dict[str, bytes]) -> str:
