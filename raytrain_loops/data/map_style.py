@@ -127,6 +127,10 @@ class MapBatches:
         size = self.data.eval_batch_size
         return [mine[i : i + size] for i in range(0, len(mine), size)]
 
+    def train_batches(self, epoch: int) -> list[list[int]]:
+        """This worker's training batches in ``epoch`` (its own, not a re-cut part)."""
+        return self._train(epoch, self.rank, self.world)
+
     def _train(self, epoch: int, rank: int, world: int) -> list[list[int]]:
         """Worker ``rank`` of a group of ``world``'s training batches in ``epoch``."""
         dataset, size = self.splits["train"].dataset, self.data.batch_size

@@ -122,7 +122,7 @@ class Batches:
                 rows = r.row + consumed * self.data.batch_size
             return data_record(epoch, batches, rows, r.deal)
         if "train" in self.maps.splits and self.maps.sampler is not None and batches:
-            rows = _rows_in(self.maps._rows("train", epoch), batches)  # a batch sampler's batches may differ in size
+            rows = _rows_in(self.maps.train_batches(epoch), batches)  # a batch sampler's batches may differ in size
         else:
             rows = batches * self.data.batch_size
         return data_record(epoch, batches, rows, Deal(self.world))
