@@ -7,6 +7,7 @@ a local run's checkpoint to two gloo processes and back: test_recut_loop.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -294,3 +295,19 @@ def test_map_style_batches_left_are_dealt_out_whole_to_the_new_group(sampler):
     if sampler:  # each batch still holds one group
         for s in three.sources:
             assert all(len({int(i) % 3 for i in b}) == 1 for b in s.resumed.part)
+
+
+@pytest.mark.ray
+def test_ray_datas_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
+    from raytrain_loops.config.run import PreprocessConfig
+    from raytrain_loops.worker.batches import preprocessed
+
+    deal = Deal(4, ((3, (800, 800, 800, 800)), (2, (1000, 1000, 1000))))
+    plan = recut_plan(split.index, 7, EPOCH, 128, 1000, deal, 1)
+    data = dataclasses.replace(_config(2).data, preprocess=PreprocessConfig(batch_rows=300))
+    start = 333  # inside a segment: its rows before the position are left out
+    here = list(preprocessed_here(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
+    on_ray = list(preprocessed(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
+    for key in ("id", "seed"):
+        assert np.array_equal(np.concatenate([b[key] for b in here]), np.concatenate([b[key] for b in on_ray]))
+    assert sum(len(b["id"]) for b in on_ray) == plan.rows - start > 0

@@ -11,7 +11,9 @@ mid-epoch continues with exactly the batches the interrupted one had left:
   (``data.batch_size``, rank, group size, ``loop.seed``) and set to the epoch, whose ``len``
   is then the worker's batches per epoch;
 - the position: a resumed epoch starts at its batch ``start`` in the sampler's order, without
-  loading the batches before it;
+  loading the batches before it. A group of another size finishes the epoch on the batches the
+  old group's workers had not trained, dealt out whole over its workers (:meth:`MapBatches.dealt`,
+  :func:`~raytrain_loops.data.recut.recut_batches`);
 - random augmentation: every batch is read and collated under torch, NumPy and Python RNGs
   seeded from (seed, epoch, rank, batch number), in whichever process reads it, so its draws do
   not depend on ``data.loader_workers``, on which loader process got it, or on what was read

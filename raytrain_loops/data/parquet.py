@@ -20,8 +20,10 @@ are not stable):
 
 A position in the epoch is a row offset in the worker's share, so a resumed epoch opens the
 window holding it and reads nothing before that window (the window's own rows before the
-position are read again: its order is a permutation of all of them). Evaluation splits are read in storage
-order, each worker taking ``rows * r // world`` to ``rows * (r + 1) // world``.
+position are read again: its order is a permutation of all of them). A group of another size
+finishes an epoch on the rows its predecessor had not trained, re-cut over it and read from these
+plans' windows (:mod:`raytrain_loops.data.recut`). Evaluation splits are read in storage order,
+each worker taking ``rows * r // world`` to ``rows * (r + 1) // world``.
 
 Random draws of :meth:`Task.preprocess <raytrain_loops.tasks.Task.preprocess>` take their seeds
 from :data:`ROW_SEED`: one per row, a hash of (seed, epoch, file, row group, offset), so the same

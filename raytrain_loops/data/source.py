@@ -27,13 +27,16 @@ from raytrain_loops.data.parquet import (
     train_plan,
     windows_from,
 )
-from raytrain_loops.data.recut import Deal, data_record, recut_plan, resume_point
+from raytrain_loops.data.recut import Deal, RecutPlan, data_record, recut_plan, resume_point
 from raytrain_loops.engine.length import accum_steps, batches_per_epoch, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
 
+Plan = WorkerPlan | RecutPlan
+"""One worker's rows of an epoch: its own share, or its part of a re-cut epoch."""
+
 # (task, data, plan, index, start_row, (seed, epoch), train) -> the plan's preprocessed rows from start_row on
-Preprocessing = Callable[[Task, DataConfig, WorkerPlan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
+Preprocessing = Callable[[Task, DataConfig, Plan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ def _batches_in(batches: list[list[int]], rows: int) -> int:
     return int(np.searchsorted(np.cumsum([len(b) for b in batches]), rows, side="right")) if rows else 0
 
 
-def _read(index: Any, plan: WorkerPlan, start_row: int) -> Iterator[dict[str, Any]]:
+def _read(index: Any, plan: Plan, start_row: int) -> Iterator[dict[str, Any]]:
     reader = Reader(index)
     try:
         yield from windows_from(reader, plan, start_row)
@@ -180,7 +183,7 @@ def _read(index: Any, plan: WorkerPlan, start_row: int) -> Iterator[dict[str, An
 def read_and_preprocess(
     task: Task,
     index: Any,
-    plan: WorkerPlan,
+    plan: Plan,
     windows: Iterable[int],
     first: int,
     skip: int,
@@ -215,7 +218,7 @@ def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> di
 
 
 def preprocessed_here(
-    task: Task, data: DataConfig, plan: WorkerPlan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
+    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
 ) -> Iterable[dict[str, Any]]:
     """The plan's windows from ``start_row`` on, read and preprocessed in this process, one
     window ahead on a background thread: the same rows, in the same order and with the same
