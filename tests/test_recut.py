@@ -246,6 +246,17 @@ def test_the_deal_plans_are_the_groups_own_and_an_untouched_epoch_is_dealt_afres
     assert resume_point(records, 2, 1, BATCH).deal == Deal(2)
 
 
+def test_an_old_record_resumed_by_another_size_is_recut_from_its_writers_own_plan(split):
+    group = Group.of(split, 2, _config(2))
+    trained, position = group.train(Position(EPOCH, 0), 60)
+    old = [{"epoch": EPOCH, "batches": 60}] * 2  # written before the deal was recorded
+    assert resume_point(old, 1, 0, BATCH).deal == Deal(2, ((1, (60 * BATCH, 60 * BATCH)),))
+    one = Group.of(split, 1, _config(1))
+    done, _ = one.train(one.resume(old))
+    twice, never = _counts(trained + done)
+    assert twice == 0 and never == _dropped(ROWS - 2 * 60 * BATCH, 1, 1)
+
+
 @pytest.mark.parametrize(
     "records,match",
     [
