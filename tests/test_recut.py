@@ -8,7 +8,9 @@ a local run's checkpoint to two gloo processes and back: test_recut_loop.py."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +23,11 @@ from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
 from raytrain_loops.data.recut import Deal, recut_plan, resume_point
 from raytrain_loops.data.samplers import GroupedBatchSampler
 from raytrain_loops.data.source import Batches, preprocessed_here
+from raytrain_loops.engine import checkpoint as ckpt
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.loop import Position
+from raytrain_loops.runtime.reporter import CheckpointReporter
+from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 ROWS, BATCH, EPOCH = 10_240, 32, 1
@@ -322,3 +327,50 @@ def test_ray_datas_tasks_read_a_recut_part_as_the_process_does(ray_session, spli
     for key in ("id", "seed"):
         assert np.array_equal(np.concatenate([b[key] for b in here]), np.concatenate([b[key] for b in on_ray]))
     assert sum(len(b["id"]) for b in on_ray) == plan.rows - start > 0
+
+
+def _checkpoint(run: Path, step: int, group: Group, position: Position, epoch_of_rank1: int | None = None) -> None:
+    """A checkpoint as ``group``'s workers write it (the reporter's own files, each worker's data
+    record from its source), optionally with worker 1's epoch tampered with."""
+    from tests.test_restore import _engine
+
+    engine = _engine()
+    engine.step = step
+    world = len(group.sources)
+    for rank, source in enumerate(group.sources):
+        reporter = _Reporter(engine, rank, world, str(run))
+        reporter.data = source
+        tmp = Path(reporter._write(position, None))
+        if rank == 1 and epoch_of_rank1 is not None:
+            mine = ckpt.read_file(tmp, ckpt.rank_file(1))
+            mine["data"]["epoch"] = epoch_of_rank1
+            ckpt.write_files(tmp, 1, {ckpt.rank_file(1): mine}, world)
+        shutil.copytree(tmp, run / f"checkpoint_{step:08d}", dirs_exist_ok=True)
+        shutil.rmtree(tmp)
+
+
+class _Reporter(CheckpointReporter):
+    def report(self, metrics, checkpoint):
+        raise AssertionError("not reported here")
+
+
+def test_the_reporter_records_every_workers_position_and_a_group_of_another_size_resumes_from_them(
+    split, tmp_path, capsys
+):
+    from tests.test_restore import _engine
+
+    run = tmp_path / "run"
+    group = Group.of(split, 2, _config(2))
+    trained, position = group.train(Position(EPOCH, 0), 60)
+    _checkpoint(run, 60, group, position)
+    _checkpoint(run, 61, group, position, epoch_of_rank1=EPOCH + 1)  # records that disagree: unusable
+    one = Group.of(split, 1, _config(1))
+    reporter = _Reporter(_engine(seed=3), 0, 1, str(run))
+    reporter.data = one.sources[0]
+    at = reporter.restore_from(candidates(str(run), None))
+    assert reporter.engine.step == 60 and reporter.loaded["world_size"] == 2
+    out = capsys.readouterr().out
+    assert "checkpoint_00000061 is unusable" in out and "worker 1 recorded epoch 2" in out
+    done, _ = one.train(at)
+    twice, never = _counts(trained + done)
+    assert twice == 0 and never == _dropped(ROWS - 2 * 60 * BATCH, 1, 1)
