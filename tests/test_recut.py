@@ -374,3 +374,8 @@ def test_the_reporter_records_every_workers_position_and_a_group_of_another_size
     done, _ = one.train(at)
     twice, never = _counts(trained + done)
     assert twice == 0 and never == _dropped(ROWS - 2 * 60 * BATCH, 1, 1)
+    # A checkpoint whose load fails after its position was taken leaves nothing behind.
+    assert one.sources[0].resume(None) == Position() and one.sources[0].resumed is None
+    assert np.array_equal(
+        one.train(Position(EPOCH, 0))[0][0], Group.of(split, 1, _config(1)).train(Position(EPOCH, 0))[0][0]
+    )

@@ -130,14 +130,17 @@ class Batches:
             rows = batches * self.data.batch_size
         return data_record(epoch, batches, rows, Deal(self.world))
 
-    def resume(self, records: Sequence[Any]) -> Position:
+    def resume(self, records: Sequence[Any] | None) -> Position:
         """The loop's position to resume from a checkpoint whose workers wrote ``records`` (one
         per worker, :meth:`record`). A group of the same size continues its own part; a group of
         another size takes its part of the epoch's rows not yet trained, and the position is then
         the loop's count of batches such that the steps left in the epoch are the part's (its
-        batches // micro-batches per update): the loop itself is unchanged."""
-        at = resume_point(records, self.world, self.rank, self.data.batch_size)
+        batches // micro-batches per update): the loop itself is unchanged. ``records`` None:
+        nothing to resume (a checkpoint whose load failed after this was called), the beginning."""
         self.resumed = None
+        if records is None:
+            return Position()
+        at = resume_point(records, self.world, self.rank, self.data.batch_size)
         if at.batches is not None:  # this group's own plan, as it was dealt
             return Position(at.epoch, at.batches)
         if "train" in self.maps.splits:

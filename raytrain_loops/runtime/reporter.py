@@ -22,11 +22,12 @@ from raytrain_loops.runtime.restore import FailedElsewhere, agree, merged_candid
 class DataPositions(Protocol):
     """A batch source that records data positions itself: ``record`` gives what a checkpoint
     keeps of this worker's data at a loop position, ``resume`` the loop's position from every
-    writer's record (None where a worker of a group of the same size did not read another's)."""
+    writer's record (None where a worker of a group of the same size did not read another's;
+    ``records`` None: nothing to resume, the source's own plans from the beginning)."""
 
     def record(self, position: Position) -> dict[str, Any]: ...
 
-    def resume(self, records: list[Any]) -> Position: ...
+    def resume(self, records: list[Any] | None) -> Position: ...
 
 
 class CheckpointReporter:
@@ -179,6 +180,8 @@ class CheckpointReporter:
                 if getattr(err, "partial", False):
                     self._partial = path
             if not self._vote(path, error, skipped):
+                if self.data is not None:  # the source took this checkpoint's position: not any more
+                    self.data.resume(None)
                 return None
             self.loaded = {**loaded, "skipped": skipped}
             return position
