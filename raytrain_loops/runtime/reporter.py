@@ -171,7 +171,7 @@ class CheckpointReporter:
             except Exception as err:
                 error = err
             if not self._vote(path, error, skipped):
-                return None
+                return self._abandon()
             position, loaded = None, None
             try:
                 position, loaded = self._apply(path, directory, *read)
@@ -180,11 +180,14 @@ class CheckpointReporter:
                 if getattr(err, "partial", False):
                     self._partial = path
             if not self._vote(path, error, skipped):
-                if self.data is not None:  # the source took this checkpoint's position: not any more
-                    self.data.resume(None)
-                return None
+                return self._abandon()
             self.loaded = {**loaded, "skipped": skipped}
             return position
+
+    def _abandon(self) -> None:
+        """A checkpoint given up: the batch source forgets the position it took from it."""
+        if self.data is not None:
+            self.data.resume(None)
 
     def _vote(self, path: str, error: Exception | None, skipped: list[dict[str, str]]) -> bool:
         """Every worker's outcome of one step of loading ``path``, gathered: True when every worker
@@ -219,12 +222,13 @@ class CheckpointReporter:
             return {"epoch": position.epoch, "batches": position.batches}
         return self.data.record(position)
 
-    def _read(self, d: str) -> tuple[int, dict[str, Any], dict[str, Any], list[Any]]:
+    def _read(self, d: str) -> tuple[int, dict[str, Any], dict[str, Any], Position]:
         """What this worker reads of a checkpoint on its own (no collectives): its manifests and
-        checksums, the shared state, its own files, a sharded checkpoint's metadata. Returns the
-        size of the group that wrote it, the shared state, this worker's files (rank 0's for a
-        group of another size, which takes no RNG state) and every writer's data position (a
-        group of another size re-cuts the epoch from all of them)."""
+        checksums, the shared state, its own files, a sharded checkpoint's metadata, the data
+        position. Returns the size of the group that wrote it, the shared state, this worker's
+        files (rank 0's for a group of another size, which takes no RNG state) and the loop's
+        position (from every writer's record for a group of another size, which re-cuts the
+        epoch: before the vote, so that a record no worker can resume from is damage on all)."""
         world = ckpt_files.verify(d)
         shared = ckpt_files.read_file(d, ckpt_files.STATE)
         mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank if world == self.world else 0))
@@ -234,10 +238,10 @@ class CheckpointReporter:
             records[1:] = [ckpt_files.read_file(d, ckpt_files.rank_file(r)).get("data") for r in range(1, world)]
         if ckpt_files.is_sharded(d):
             ckpt_files.check_sharded(d)
-        return world, shared, mine, records
+        return world, shared, mine, self._position(world, records)
 
     def _apply(
-        self, path: str, d: str, world: int, shared: dict[str, Any], mine: dict[str, Any], records: list[Any]
+        self, path: str, d: str, world: int, shared: dict[str, Any], mine: dict[str, Any], position: Position
     ) -> tuple[Position, dict[str, Any]]:
         """Load what :meth:`_read` read into the engine (every worker together); return the data
         position and what was loaded (for ``loaded``)."""
@@ -254,15 +258,14 @@ class CheckpointReporter:
             shared = {**shared, **targets, "layout": "sharded"}
         else:
             digest = ckpt_files.digest(shared["model"])
-        position = self._position(path, world, records)
         state = {**shared, "rng": mine["rng"]} if world == self.world else shared
         self.engine.load_state_dict(state)
         return position, {"checkpoint": path, "model_sha256": digest, "world_size": world}
 
-    def _position(self, path: str, world: int, records: list[Any]) -> Position:
+    def _position(self, world: int, records: list[Any]) -> Position:
         """The loop's position from the writers' data ``records``: through the batch source (the
         same group size: this worker's own; another: the epoch re-cut), else rank 0's rescaled.
-        A record the source cannot resume from is damage, naming the checkpoint."""
+        A record the source cannot resume from is damage (the vote names the checkpoint)."""
         if self.data is None:
             data = records[self.rank if world == self.world else 0]
             batches = int(data["batches"])
@@ -270,4 +273,4 @@ class CheckpointReporter:
         try:
             return self.data.resume(records)
         except ValueError as err:
-            raise ckpt_files.CheckpointError(f"{path}: its data position cannot be resumed: {err}") from None
+            raise ckpt_files.CheckpointError(f"its data position cannot be resumed: {err}") from None
