@@ -142,7 +142,8 @@ def test_a_users_own_task_trains_locally_and_its_run_name_continues_mid_epoch(tm
     assert torch.get_num_threads() == threads and torch.equal(torch.random.get_rng_state(), draw)
     assert first.metrics["step"] == 48 and first.checkpoint.endswith("checkpoint_00000048")
     state = torch.load(Path(first.checkpoint) / "rank0.pt", weights_only=True)
-    assert state["data"] == {"epoch": 1, "batches": 16} and state["world_size"] == 1
+    deal = {"world": 1, "recuts": []}  # epoch 1 as dealt for one worker: 16 batches of 64 rows
+    assert state["data"] == {"epoch": 1, "batches": 16, "rows": 1024, "deal": deal} and state["world_size"] == 1
     here = precision.resolve("auto", precision.hardware(torch.device("cpu")))[0]
     record_file = Path(first.run_dir) / "precision.json"
     record = json.loads(record_file.read_text())

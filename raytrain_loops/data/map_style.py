@@ -11,7 +11,9 @@ mid-epoch continues with exactly the batches the interrupted one had left:
   (``data.batch_size``, rank, group size, ``loop.seed``) and set to the epoch, whose ``len``
   is then the worker's batches per epoch;
 - the position: a resumed epoch starts at its batch ``start`` in the sampler's order, without
-  loading the batches before it;
+  loading the batches before it. A group of another size finishes the epoch on the batches the
+  old group's workers had not trained, dealt out whole over its workers (:meth:`MapBatches.dealt`,
+  :func:`~raytrain_loops.data.recut.recut_batches`);
 - random augmentation: every batch is read and collated under torch, NumPy and Python RNGs
   seeded from (seed, epoch, rank, batch number), in whichever process reads it, so its draws do
   not depend on ``data.loader_workers``, on which loader process got it, or on what was read
@@ -36,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from raytrain_loops.config.run import DataConfig
+from raytrain_loops.data.recut import Deal, recut_batches
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 
@@ -120,32 +123,51 @@ class MapBatches:
     def _rows(self, split: str, epoch: int) -> list[list[int]]:
         """This worker's batches of ``split`` in ``epoch``, as lists of row indices."""
         dataset = self.splits[split].dataset
-        if split == "train" and self.sampler is not None:
-            return self._sampled(epoch)
-        if split != "train":
-            mine = list(range(self.rank, len(dataset), self.world))
-            size = self.data.eval_batch_size
-            return [mine[i : i + size] for i in range(0, len(mine), size)]
-        sampler = DistributedSampler(dataset, self.world, self.rank, shuffle=True, seed=self.seed)
+        if split == "train":
+            return self._train(epoch, self.rank, self.world)
+        mine = list(range(self.rank, len(dataset), self.world))
+        size = self.data.eval_batch_size
+        return [mine[i : i + size] for i in range(0, len(mine), size)]
+
+    def train_batches(self, epoch: int) -> list[list[int]]:
+        """This worker's training batches in ``epoch`` (its own, not a re-cut part)."""
+        return self._train(epoch, self.rank, self.world)
+
+    def _train(self, epoch: int, rank: int, world: int) -> list[list[int]]:
+        """Worker ``rank`` of a group of ``world``'s training batches in ``epoch``."""
+        dataset, size = self.splits["train"].dataset, self.data.batch_size
+        if self.sampler is not None:
+            if (rank, world) == (self.rank, self.world):
+                return self._sampled(epoch, self.sampler, rank, self.batches_per_epoch)
+            sampler = self.splits["train"].batch_sampler(size, rank, world, self.seed)
+            return self._sampled(epoch, sampler, rank, len(sampler))
+        sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=self.seed)
         sampler.set_epoch(epoch)
-        mine, size = list(sampler), self.data.batch_size
+        mine = list(sampler)
         return [mine[i : i + size] for i in range(0, len(mine) - size + 1, size)]
 
-    def _sampled(self, epoch: int) -> list[list[int]]:
-        """The train split's batch sampler's batches for ``epoch``, checked against its ``len``:
-        a sampler giving ranks different counts would leave some workers waiting in a step."""
-        self.sampler.set_epoch(epoch)
-        rows = [list(batch) for batch in self.sampler]
-        if len(rows) != self.batches_per_epoch:
+    def _sampled(self, epoch: int, sampler: Any, rank: int, expected: int) -> list[list[int]]:
+        """A batch sampler's batches for ``epoch``, checked against its ``len`` (``expected``): a
+        sampler giving ranks different counts would leave some workers waiting in a step."""
+        sampler.set_epoch(epoch)
+        rows = [list(batch) for batch in sampler]
+        if len(rows) != expected:
             raise ValueError(
-                f"split 'train': the batch sampler yielded {len(rows)} batches on rank {self.rank} "
-                f"in epoch {epoch}, but its len() is {self.batches_per_epoch}"
+                f"split 'train': the batch sampler yielded {len(rows)} batches on rank {rank} "
+                f"in epoch {epoch}, but its len() is {expected}"
             )
         return rows
 
-    def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
-        """The batches of ``split`` in ``epoch``, from batch ``start`` on."""
-        rows = self._rows(split, epoch)
+    def dealt(self, epoch: int, deal: Deal) -> list[list[int]]:
+        """This worker's training batches of ``epoch`` on ``deal``: the batches of every worker
+        of the group it was dealt for, re-cut (:func:`~raytrain_loops.data.recut.recut_batches`)."""
+        parts = [self._train(epoch, q, deal.world) for q in range(deal.world)]
+        return recut_batches([*parts, []], deal.recuts)[self.rank]
+
+    def batches(self, split: str, epoch: int, start: int = 0, rows: list[list[int]] | None = None) -> Iterable[Any]:
+        """The batches of ``split`` in ``epoch``, from batch ``start`` on (``rows``: the batches,
+        when not this worker's own of the epoch: a re-cut part)."""
+        rows = self._rows(split, epoch) if rows is None else rows
         key = (self.seed, epoch, self.rank, 0 if split == "train" else 1)
         items = [(number, rows[number]) for number in range(start, len(rows))]
         source = self.splits[split]

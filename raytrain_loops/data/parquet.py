@@ -20,8 +20,10 @@ are not stable):
 
 A position in the epoch is a row offset in the worker's share, so a resumed epoch opens the
 window holding it and reads nothing before that window (the window's own rows before the
-position are read again: its order is a permutation of all of them). Evaluation splits are read in storage
-order, each worker taking ``rows * r // world`` to ``rows * (r + 1) // world``.
+position are read again: its order is a permutation of all of them). A group of another size
+finishes an epoch on the rows its predecessor had not trained, re-cut over it and read from these
+plans' windows (:mod:`raytrain_loops.data.recut`). Evaluation splits are read in storage order,
+each worker taking ``rows * r // world`` to ``rows * (r + 1) // world``.
 
 Random draws of :meth:`Task.preprocess <raytrain_loops.tasks.Task.preprocess>` take their seeds
 from :data:`ROW_SEED`: one per row, a hash of (seed, epoch, file, row group, offset), so the same
@@ -158,6 +160,11 @@ class WorkerPlan:
     def windows(self) -> int:
         return len(self._bounds) - 1
 
+    @property
+    def window_rows(self) -> np.ndarray:
+        """The rows of each window."""
+        return np.diff(self._starts)
+
     def window_pieces(self, w: int) -> np.ndarray:
         return self.pieces[self._bounds[w] : self._bounds[w + 1]]
 
@@ -198,12 +205,17 @@ def train_plan(
     by (seed, epoch) (:func:`deal`), the dealt order cut into ``world`` equal shares (the
     remainder dropped); windows of about ``buffer`` rows permuted (``buffer`` 0: storage order,
     no shuffle at all)."""
-    pieces = chunks(index, chunk_rows)
-    if buffer:
-        pieces = pieces[deal(len(pieces), world, _rng(seed, epoch))]
+    pieces = dealt(index, seed, epoch, world, chunk_rows, buffer)
     share = index.rows // world
     mine = cut(pieces, rank * share, (rank + 1) * share)
     return WorkerPlan(mine, buffer or READ_ROWS, (seed, epoch, world, rank) if buffer else None)
+
+
+def dealt(index: SplitIndex, seed: int, epoch: int, world: int, chunk_rows: int, buffer: int) -> np.ndarray:
+    """The split's chunks in the order ``epoch`` deals them to a group of ``world`` (``buffer`` 0:
+    storage order), before the cut into shares."""
+    pieces = chunks(index, chunk_rows)
+    return pieces[deal(len(pieces), world, _rng(seed, epoch))] if buffer else pieces
 
 
 def eval_plan(index: SplitIndex, world: int, rank: int) -> WorkerPlan:
@@ -303,7 +315,10 @@ def read_window(
     reader: Reader, plan: WorkerPlan, w: int, skip: int = 0, seeds: tuple[int, int] | None = None
 ) -> dict[str, np.ndarray]:
     """Window ``w`` of ``plan`` in its order, leaving out its first ``skip`` rows; with
-    ``seeds`` (seed, epoch), the rows' :data:`ROW_SEED` column too."""
+    ``seeds`` (seed, epoch), the rows' :data:`ROW_SEED` column too. A plan of another kind (a
+    re-cut share, :class:`~raytrain_loops.data.recut.RecutPlan`) reads its own windows."""
+    if not isinstance(plan, WorkerPlan):
+        return plan.read(reader, w, skip, seeds)
     pieces = plan.window_pieces(w)
     if plan.key is None:  # storage order: the rows before the position are not read at all
         pieces = cut(pieces, skip, plan.window + plan.rows)

@@ -6,7 +6,8 @@ local run (which applies it in its own process, :func:`preprocessed_here`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,18 +27,40 @@ from raytrain_loops.data.parquet import (
     train_plan,
     windows_from,
 )
-from raytrain_loops.engine.length import batches_per_epoch
+from raytrain_loops.data.recut import Deal, RecutPlan, data_record, recut_plan, resume_point
+from raytrain_loops.engine.length import accum_steps, batches_per_epoch, steps_in_epoch
+from raytrain_loops.engine.loop import Position
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
 
+Plan = WorkerPlan | RecutPlan
+"""One worker's rows of an epoch: its own share, or its part of a re-cut epoch."""
+
 # (task, data, plan, index, start_row, (seed, epoch), train) -> the plan's preprocessed rows from start_row on
-Preprocessing = Callable[[Task, DataConfig, WorkerPlan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
+Preprocessing = Callable[[Task, DataConfig, Plan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    """The epoch a group of another size resumed: its ``deal``, this worker's ``part`` of it (a
+    :class:`~raytrain_loops.data.recut.RecutPlan`, or map-style batches), the position ``row``
+    in the part where it resumed, and ``virtual``, the loop's batch count there."""
+
+    epoch: int
+    deal: Deal
+    part: Any
+    row: int
+    virtual: int
 
 
 class Batches:
     """This worker's batches of each split, per epoch: Parquet splits by the epoch's plan (read on
     a background thread, or through ``preprocessing`` for a task with ``preprocess``), map-style
     splits by a :class:`~raytrain_loops.data.MapBatches`. ``device``: where the batches go (pinned
-    on a CUDA device)."""
+    on a CUDA device).
+
+    The data positions a checkpoint records (:meth:`record`) and resumes from (:meth:`resume`)
+    are rows in the deal the epoch runs on (:mod:`raytrain_loops.data.recut`): a group of another
+    size finishes the epoch on the rows not yet trained, re-cut over its workers."""
 
     def __init__(
         self,
@@ -51,37 +74,108 @@ class Batches:
         preprocessing: Preprocessing,
     ):
         self.task, self.data, self.seed, self.rank, self.world = task, config.data, config.loop.seed, rank, world
+        self.accum, self.scale = config.accum, config.scaling.workers / world  # the loop's micro-batches per update
         self.preprocessing = preprocessing
         self.has_eval = "eval" in splits
         self.parquet = {name: split for name, split in splits.items() if isinstance(split, ParquetSplit)}
         maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
         self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world, device)
+        self.resumed: _Resumed | None = None
         if "train" in maps:  # a DistributedSampler's padded shares, or the split's batch sampler
             self.batches_per_epoch = self.maps.batches_per_epoch
         else:
             self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size)
 
     def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
+        r = self.resumed if split == "train" and self.resumed and self.resumed.epoch == epoch else None
         if split in self.maps.splits:
+            if r is not None:
+                return self.maps.batches(split, epoch, _batches_in(r.part, r.row) + start - r.virtual, rows=r.part)
             return self.maps.batches(split, epoch, start)
         train = split == "train"
         size = self.data.batch_size if train else self.data.eval_batch_size
         index = self.parquet[split].index
-        if train:
+        start_row = start * size
+        if r is not None:
+            plan, start_row = r.part, r.row + (start - r.virtual) * size
+        elif train:
             plan = train_plan(
                 index, self.seed, epoch, self.world, self.rank, self.data.shuffle_chunk_rows, self.data.shuffle_buffer
             )
         else:
             plan = eval_plan(index, self.world, self.rank)
         if has_preprocess(self.task):
-            fetched = self.preprocessing(self.task, self.data, plan, index, start * size, (self.seed, epoch), train)
+            fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train)
         else:
             # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
-            fetched = prefetched(_read(index, plan, start * size), min(1, self.data.prefetch_batches))
+            fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
         return sliced(fetched, size, self.task.collate, drop_last=train)
 
+    def record(self, position: Position) -> dict[str, Any]:
+        """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,
+        the loop's batch count, the position in rows in this worker's part of the epoch's deal,
+        and the deal."""
+        epoch, batches = position.epoch, position.batches
+        r = self.resumed if self.resumed and self.resumed.epoch == epoch else None
+        if r is not None:
+            consumed = batches - r.virtual
+            if isinstance(r.part, list):  # map-style batches
+                rows = _rows_in(r.part, _batches_in(r.part, r.row) + consumed)
+            else:
+                rows = r.row + consumed * self.data.batch_size
+            return data_record(epoch, batches, rows, r.deal)
+        if "train" in self.maps.splits and self.maps.sampler is not None and batches:
+            rows = _rows_in(self.maps.train_batches(epoch), batches)  # a batch sampler's batches may differ in size
+        else:
+            rows = batches * self.data.batch_size
+        return data_record(epoch, batches, rows, Deal(self.world))
 
-def _read(index: Any, plan: WorkerPlan, start_row: int) -> Iterator[dict[str, Any]]:
+    def resume(self, records: Sequence[Any] | None) -> Position:
+        """The loop's position to resume from a checkpoint whose workers wrote ``records`` (one
+        per worker, :meth:`record`). A group of the same size continues its own part; a group of
+        another size takes its part of the epoch's rows not yet trained, and the position is then
+        the loop's count of batches such that the steps left in the epoch are the part's (its
+        batches // micro-batches per update): the loop itself is unchanged. ``records`` None:
+        nothing to resume (a checkpoint whose load failed after this was called), the beginning."""
+        self.resumed = None
+        if records is None:
+            return Position()
+        at = resume_point(records, self.world, self.rank, self.data.batch_size)
+        if at.batches is not None:  # this group's own plan, as it was dealt
+            return Position(at.epoch, at.batches)
+        if "train" in self.maps.splits:
+            part = self.maps.dealt(at.epoch, at.deal)
+            left = len(part) - _batches_in(part, at.row)
+        else:
+            d = self.data
+            part = recut_plan(
+                self.parquet["train"].index,
+                self.seed,
+                at.epoch,
+                d.shuffle_chunk_rows,
+                d.shuffle_buffer,
+                at.deal,
+                self.rank,
+            )
+            left = (part.rows - at.row) // d.batch_size
+        k = accum_steps(self.accum, at.epoch, self.scale)
+        steps = steps_in_epoch(self.accum, self.batches_per_epoch, at.epoch, self.scale)
+        virtual = (steps - min(steps, left // k)) * k
+        self.resumed = _Resumed(at.epoch, at.deal, part, at.row, virtual)
+        return Position(at.epoch, virtual)
+
+
+def _rows_in(batches: list[list[int]], n: int) -> int:
+    """The rows of the first ``n`` of ``batches``."""
+    return sum(len(b) for b in batches[:n])
+
+
+def _batches_in(batches: list[list[int]], rows: int) -> int:
+    """How many of ``batches`` the first ``rows`` rows fill."""
+    return int(np.searchsorted(np.cumsum([len(b) for b in batches]), rows, side="right")) if rows else 0
+
+
+def _read(index: Any, plan: Plan, start_row: int) -> Iterator[dict[str, Any]]:
     reader = Reader(index)
     try:
         yield from windows_from(reader, plan, start_row)
@@ -92,7 +186,7 @@ def _read(index: Any, plan: WorkerPlan, start_row: int) -> Iterator[dict[str, An
 def read_and_preprocess(
     task: Task,
     index: Any,
-    plan: WorkerPlan,
+    plan: Plan,
     windows: Iterable[int],
     first: int,
     skip: int,
@@ -127,7 +221,7 @@ def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> di
 
 
 def preprocessed_here(
-    task: Task, data: DataConfig, plan: WorkerPlan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
+    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
 ) -> Iterable[dict[str, Any]]:
     """The plan's windows from ``start_row`` on, read and preprocessed in this process, one
     window ahead on a background thread: the same rows, in the same order and with the same

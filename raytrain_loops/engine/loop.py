@@ -60,7 +60,9 @@ class Position:
 class BatchSource(Protocol):
     """This worker's data. ``batches_per_epoch`` counts its training batches in one epoch;
     ``batches(split, epoch, start)`` yields the batches of ``split`` ("train" or "eval") for
-    ``epoch``, leaving out the first ``start`` (a resumed run continues where it stopped)."""
+    ``epoch``, leaving out the first ``start`` (a resumed run continues where it stopped). The
+    source may keep the data positions a checkpoint records itself (``record``/``resume``, read
+    by the reporter: an epoch re-cut for a group of another size); the loop never calls them."""
 
     batches_per_epoch: int
     has_eval: bool

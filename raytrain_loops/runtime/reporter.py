@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from raytrain_loops import storage
 from raytrain_loops.engine import Engine
@@ -19,12 +19,27 @@ from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.restore import FailedElsewhere, agree, merged_candidates
 
 
+class DataPositions(Protocol):
+    """A batch source that records data positions itself: ``record`` gives what a checkpoint
+    keeps of this worker's data at a loop position, ``resume`` the loop's position from every
+    writer's record (None where a worker of a group of the same size did not read another's;
+    ``records`` None: nothing to resume, the source's own plans from the beginning)."""
+
+    def record(self, position: Position) -> dict[str, Any]: ...
+
+    def resume(self, records: list[Any] | None) -> Position: ...
+
+
 class CheckpointReporter:
     """Writes this worker's part of a checkpoint; restores the run's newest intact checkpoint.
     Subclasses report (:meth:`report`) and give a local copy of a checkpoint (:meth:`_local_copy`)."""
 
     def __init__(self, engine: Engine, rank: int, world: int, run_dir: str):
         self.engine, self.rank, self.world, self.run_dir = engine, rank, world, run_dir
+        # The batch source, when it records data positions in rows on the epoch's deal
+        # (record/resume, :class:`~raytrain_loops.data.source.Batches`); else the loop's
+        # positions are recorded as they are.
+        self.data: DataPositions | None = None
         self.loaded: dict[str, Any] | None = None  # what restore() loaded: path, model digest, skipped
         self._partial: str | None = None  # a checkpoint whose failed load had begun writing into the engine
 
@@ -50,7 +65,7 @@ class CheckpointReporter:
             state = self.engine.state_dict()
             mine = {
                 "rng": state.pop("rng"),
-                "data": {"epoch": checkpoint.epoch, "batches": checkpoint.batches},
+                "data": self._data_record(checkpoint),
                 "world_size": self.world,
                 "node_id": node_id,
             }
@@ -156,7 +171,7 @@ class CheckpointReporter:
             except Exception as err:
                 error = err
             if not self._vote(path, error, skipped):
-                return None
+                return self._abandon()
             position, loaded = None, None
             try:
                 position, loaded = self._apply(path, directory, *read)
@@ -165,9 +180,14 @@ class CheckpointReporter:
                 if getattr(err, "partial", False):
                     self._partial = path
             if not self._vote(path, error, skipped):
-                return None
+                return self._abandon()
             self.loaded = {**loaded, "skipped": skipped}
             return position
+
+    def _abandon(self) -> None:
+        """A checkpoint given up: the batch source forgets the position it took from it."""
+        if self.data is not None:
+            self.data.resume(None)
 
     def _vote(self, path: str, error: Exception | None, skipped: list[dict[str, str]]) -> bool:
         """Every worker's outcome of one step of loading ``path``, gathered: True when every worker
@@ -197,20 +217,31 @@ class CheckpointReporter:
         skipped.append({"checkpoint": path, "reason": reason, "refused": any(o["refused"] for o in everyone)})
         return False
 
-    def _read(self, d: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    def _data_record(self, position: Position) -> dict[str, Any]:
+        if self.data is None:
+            return {"epoch": position.epoch, "batches": position.batches}
+        return self.data.record(position)
+
+    def _read(self, d: str) -> tuple[int, dict[str, Any], dict[str, Any], Position]:
         """What this worker reads of a checkpoint on its own (no collectives): its manifests and
-        checksums, the shared state, its own files, a sharded checkpoint's metadata. Returns the
-        size of the group that wrote it, the shared state and this worker's files."""
+        checksums, the shared state, its own files, a sharded checkpoint's metadata, the data
+        position. Returns the size of the group that wrote it, the shared state, this worker's
+        files (rank 0's for a group of another size, which takes no RNG state) and the loop's
+        position (from every writer's record for a group of another size, which re-cuts the
+        epoch: before the vote, so that a record no worker can resume from is damage on all)."""
         world = ckpt_files.verify(d)
         shared = ckpt_files.read_file(d, ckpt_files.STATE)
-        # A group of another size (an elastic resize) takes rank 0's position, rescaled.
         mine = ckpt_files.read_file(d, ckpt_files.rank_file(self.rank if world == self.world else 0))
+        records: list[Any] = [None] * world  # the same size: each worker resumes its own record alone
+        records[self.rank if world == self.world else 0] = mine.get("data")
+        if world != self.world:
+            records[1:] = [ckpt_files.read_file(d, ckpt_files.rank_file(r)).get("data") for r in range(1, world)]
         if ckpt_files.is_sharded(d):
             ckpt_files.check_sharded(d)
-        return world, shared, mine
+        return world, shared, mine, self._position(world, records)
 
     def _apply(
-        self, path: str, d: str, world: int, shared: dict[str, Any], mine: dict[str, Any]
+        self, path: str, d: str, world: int, shared: dict[str, Any], mine: dict[str, Any], position: Position
     ) -> tuple[Position, dict[str, Any]]:
         """Load what :meth:`_read` read into the engine (every worker together); return the data
         position and what was loaded (for ``loaded``)."""
@@ -229,10 +260,17 @@ class CheckpointReporter:
             digest = ckpt_files.digest(shared["model"])
         state = {**shared, "rng": mine["rng"]} if world == self.world else shared
         self.engine.load_state_dict(state)
-        batches = mine["data"]["batches"]
-        position = Position(
-            int(mine["data"]["epoch"]), batches * world // self.world if world != self.world else batches
-        )
         return position, {"checkpoint": path, "model_sha256": digest, "world_size": world}
 
-
+    def _position(self, world: int, records: list[Any]) -> Position:
+        """The loop's position from the writers' data ``records``: through the batch source (the
+        same group size: this worker's own; another: the epoch re-cut), else rank 0's rescaled.
+        A record the source cannot resume from is damage (the vote names the checkpoint)."""
+        if self.data is None:
+            data = records[self.rank if world == self.world else 0]
+            batches = int(data["batches"])
+            return Position(int(data["epoch"]), batches * world // self.world if world != self.world else batches)
+        try:
+            return self.data.resume(records)
+        except ValueError as err:
+            raise ckpt_files.CheckpointError(f"its data position cannot be resumed: {err}") from None

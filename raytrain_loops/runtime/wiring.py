@@ -194,6 +194,7 @@ def wire(
         ema_module=ema_module,
     )
     made = reporter(engine)
+    made.data = source  # checkpoints record, and resume from, the source's data positions
     position = made.restore(payload.init_checkpoint) or Position()
     if rank == 0:
         announce_start(made, engine, config, world, scale, sender, run_dir)

@@ -13,8 +13,7 @@ import ray.train.torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data.parquet import WorkerPlan
-from raytrain_loops.data.source import Batches, read_and_preprocess
+from raytrain_loops.data.source import Batches, Plan, read_and_preprocess
 from raytrain_loops.tasks import Task
 
 
@@ -30,9 +29,9 @@ def _read_and_preprocess(ids: dict[str, np.ndarray], *, first: int, **kwargs: An
 
 
 def preprocessed(
-    task: Task, data: DataConfig, plan: WorkerPlan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
+    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
 ) -> Iterable[dict[str, Any]]:
-    """The plan's windows from ``start_row`` on, read and passed through ``task.preprocess`` by
+    """The plan's windows (a re-cut part's: its segments) from ``start_row`` on, read and passed through ``task.preprocess`` by
     Ray Data tasks (``data.preprocess``: CPUs each, how many at once) wherever the cluster has
     CPUs, streamed to this worker in the plan's order. Ray Data's streaming executor runs on a
     thread of this process (a one-way ``streaming_split`` would move it to a coordinator actor,
