@@ -184,6 +184,23 @@ class Cluster:
         self.wait_nodes(2)
         return self.second
 
+    def ensure_second(self) -> Node:
+        """The second node, started unless it is running: tests that only need it up share one
+        start (about 30 s on 2 cores) and leave it running for the next."""
+        if self.second is not None and self.second.running():
+            return self.second
+        return self.start_second()
+
+    def cli(self, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+        """``raytrain-loops ARGS`` run on the head's machine as a driver of this cluster."""
+        return subprocess.run(
+            [sys.executable, "-m", "raytrain_loops.cli", *args],
+            env={**self.env, "RAY_ADDRESS": self.gcs},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
     def second_sees(self, path: Path | str) -> bool:
         """Whether ``path`` exists as the second node's processes see it (through its mount
         namespace: ``/proc/<pid>/root``)."""

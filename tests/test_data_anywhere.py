@@ -245,24 +245,12 @@ def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preproces
 def test_a_data_dir_only_the_head_has_stops_the_run_naming_data_dir_and_the_node(cluster, tmp_path):
     """On two nodes that share no disk, a local data.dir streamed by the workers
     (data.materialize=never) is refused before training, naming data.dir and the second node."""
-    import subprocess
-    import sys
-
-    cluster.start_second()
-    try:
-        assert not cluster.second_sees(tmp_path)
-        second = cluster.second_node_id()
-        args = ["default", "loop.max_steps=4", "data.materialize=never", "run.progress=false"]
-        args += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}"]
-        out = subprocess.run(
-            [sys.executable, "-m", "raytrain_loops.cli", "train", *args],
-            env={**cluster.env, "RAY_ADDRESS": cluster.gcs},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        cluster.stop_second()
+    cluster.ensure_second()  # left running for the next multi-node test
+    assert not cluster.second_sees(tmp_path)
+    second = cluster.second_node_id()
+    args = ["default", "loop.max_steps=4", "data.materialize=never", "run.progress=false"]
+    args += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}"]
+    out = cluster.cli("train", *args, timeout=300)
     last = out.stderr.strip().splitlines()[-1]
     print(last)  # the error a user sees
     assert out.returncode == 2, out.stdout + out.stderr

@@ -107,7 +107,7 @@ def _preempted_run(cluster: Cluster, tmp_path: Path, common: list[str]) -> tuple
     """The elastic run on two nodes, its second node drained as a preemption once the run is
     training, then stopped after the deadline; the run directory (copied from the bucket) and
     what the test saw."""
-    cluster.start_second()
+    cluster.ensure_second()  # started by an earlier multi-node test, or now
     assert not cluster.second_sees(tmp_path) and not cluster.second_sees(cluster.root)
     assert cluster.second_sees(sys.executable)  # the code is installed on every node, the files are not
     bucket = cluster.s3.uri()

@@ -56,10 +56,11 @@ class CheckpointReporter:
             candidate = f"{name}-{n}"
         return candidate
 
-    def _write(self, checkpoint: Position, node_id: str | None) -> str:
+    def _write(self, checkpoint: Position, node_id: str | None, **where: Any) -> str:
         """A scratch directory holding this worker's files of a checkpoint of the engine's state
-        now, with ``checkpoint`` (the data position to resume from) and ``node_id`` (where it
-        ran); the caller moves it into the run directory."""
+        now, with ``checkpoint`` (the data position to resume from), ``node_id`` (where it ran)
+        and ``where`` (more of where its work ran, e.g. the nodes that preprocessed its rows);
+        the caller moves it into the run directory."""
         tmp = storage.scratch_dir("ckpt")
         try:
             state = self.engine.state_dict()
@@ -68,6 +69,7 @@ class CheckpointReporter:
                 "data": self._data_record(checkpoint),
                 "world_size": self.world,
                 "node_id": node_id,
+                **where,
             }
             files = {ckpt_files.rank_file(self.rank): mine}
             if self.engine.sharded:

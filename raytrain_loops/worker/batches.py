@@ -4,6 +4,7 @@ cluster's CPUs (:func:`preprocessed`). The loop's :class:`~raytrain_loops.engine
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import ray.train.torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig
+from raytrain_loops.data.parquet import close
 from raytrain_loops.data.source import Batches, Plan, read_and_preprocess
 from raytrain_loops.tasks import Task
 
@@ -23,9 +25,31 @@ def ray_batches(task: Task, config: Config, splits: dict[str, Any], rows: dict[s
     return Batches(task, config, splits, rows, rank, world, ray.train.torch.get_device(), preprocessed)
 
 
+NODE = "_preprocessed_on"
+"""The column a Ray Data task adds to its rows: the id of the node it ran on (taken off on the worker)."""
+
+PREPROCESSED_ON: Counter[str] = Counter()
+"""Rows preprocessed for this worker process, per node: recorded in every checkpoint's rank file."""
+
+
 def _read_and_preprocess(ids: dict[str, np.ndarray], *, first: int, **kwargs: Any) -> Iterator[dict[str, np.ndarray]]:
-    """A Ray Data task's work: windows ``first + id`` of the plan, read and preprocessed."""
-    yield from read_and_preprocess(windows=[first + int(i) for i in ids["id"]], first=first, **kwargs)
+    """A Ray Data task's work: windows ``first + id`` of the plan, read and preprocessed, each row
+    marked with this task's node."""
+    node = ray.get_runtime_context().get_node_id()
+    for batch in read_and_preprocess(windows=[first + int(i) for i in ids["id"]], first=first, **kwargs):
+        n = len(next(iter(batch.values()))) if batch else 0
+        yield {**batch, NODE: np.full(n, node, dtype=object)}
+
+
+def _counted(batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
+    """``batches`` without the node column, its rows counted per node in :data:`PREPROCESSED_ON`."""
+    try:
+        for batch in batches:
+            nodes, counts = np.unique(batch.pop(NODE).astype(str), return_counts=True)
+            PREPROCESSED_ON.update(dict(zip(nodes.tolist(), counts.tolist(), strict=True)))
+            yield batch
+    finally:
+        close(batches)  # Ray Data's iterator ends with the epoch, not with the garbage collector
 
 
 def preprocessed(
@@ -62,4 +86,4 @@ def preprocessed(
         num_cpus=p.num_cpus,
         compute=ray.data.TaskPoolStrategy(size=p.concurrency or None),
     )
-    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=data.prefetch_batches)
+    yield from _counted(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=data.prefetch_batches))

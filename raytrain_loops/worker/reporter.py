@@ -13,6 +13,7 @@ import ray.train
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
+from raytrain_loops.worker.batches import PREPROCESSED_ON
 
 
 class RayReporter(CheckpointReporter):
@@ -32,7 +33,8 @@ class RayReporter(CheckpointReporter):
         if checkpoint is None:
             ray.train.report(metrics, checkpoint_upload_mode=async_mode)
             return
-        tmp = self._write(checkpoint, ray.get_runtime_context().get_node_id())
+        node = ray.get_runtime_context().get_node_id()
+        tmp = self._write(checkpoint, node, preprocessed_on=dict(PREPROCESSED_ON))
         try:
             ray.train.report(
                 metrics,
