@@ -50,7 +50,8 @@ def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args
         outcome = WorkerOutcome(error=type(err).__name__, message=f"{err}\n{traceback.format_exc()}")
     outcome.seconds = time.perf_counter() - start
     torch.save(outcome.__dict__, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a test may destroy it itself (a group torn down mid-step)
+        dist.destroy_process_group()
 
 
 # What every group's processes import, imported once by the server they are forked from.

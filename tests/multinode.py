@@ -39,6 +39,7 @@ RAY = str(VENV_BIN / "ray")
 HOME_CACHE = Path.home() / ".cache" / "raytrain_loops"
 BUCKET = "runs"
 JOIN_S = 90.0  # a node start on 2 busy cores
+SECOND_NODE_ENV = "RTL_TESTBED_SECOND_NODE"  # set in the second node's processes (Ray's workers there too)
 
 
 def free_port() -> int:
@@ -176,7 +177,7 @@ class Cluster:
         names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port")
         args = [f"--address={self.gcs}", f"--num-cpus={cpus}", f"--runtime-env-agent-port={free_port()}"]
         args += ["--temp-dir=/tmp/ray", *(f"--{name}={free_port()}" for name in names)]
-        env = {**self.env, "RTL_TOKEN": self.token}
+        env = {**self.env, "RTL_TOKEN": self.token, SECOND_NODE_ENV: "1"}
         env.pop("RAY_AUTH_TOKEN_PATH")
         namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_MOUNTS, "sh"]
         self.second = Node(args, env, self.root / log_name, prefix=[*namespace, *self.hidden, "--"])
@@ -195,13 +196,13 @@ class Cluster:
         self.second = None
 
     def drain(self, node_id: str, deadline_s: int, reason: str = "DRAIN_NODE_REASON_PREEMPTION") -> float:
-        """``ray drain-node`` as a cloud's preemption notice would come; the deadline (epoch s)."""
-        deadline = time.time() + deadline_s
+        """``ray drain-node`` as a cloud's preemption notice would come; the deadline (epoch s; at
+        the latest: the command sets it from its own clock, seconds after it starts)."""
         cmd = [RAY, "drain-node", f"--address={self.gcs}", f"--node-id={node_id}", f"--reason={reason}"]
         cmd += ["--reason-message=test", f"--deadline-remaining-seconds={deadline_s}"]
         out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
-        return deadline
+        return time.time() + deadline_s
 
 
 def _head_env(root: Path, dashboard: int) -> dict[str, str]:

@@ -99,7 +99,7 @@ def test_a_hashed_run_name_ignores_allow_config_change_and_scaling_and_keeps_the
     from raytrain_loops.driver.preflight import run_name
 
     base = load_config(CONFIG)
-    same = load_config(CONFIG, ["run.allow_config_change=true", "run.progress=false"])
+    same = load_config(CONFIG, ["run.allow_config_change=true", "run.progress=false", "run.max_preemptions=3"])
     local = load_config(CONFIG, ["scaling.num_workers=0"])
     wider = load_config(CONFIG, ["scaling.num_workers=8", "scaling.strategy=fsdp"])
     longer = load_config(CONFIG, ["loop.epochs=31"])

@@ -208,6 +208,11 @@ class RunConfig:
     name: str = opt("", "Run name; empty: derived from the task and a hash of the config (deterministic).")
     storage_path: str = opt("./runs", "A local directory or a URI pyarrow understands (s3://, gs://).")
     max_failures: int = opt(0, "Worker-group restarts Ray may make after failures.")
+    max_preemptions: int = opt(
+        -1,
+        "Worker-group restarts Ray may make after preemptions (a node drained with notice), counted apart "
+        "from max_failures; -1: unlimited (Ray's default).",
+    )
     report_every_steps: int = opt(50, "Report metrics to Ray every this many steps (a report costs up to ~2 s).")
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
     allow_config_change: bool = opt(
@@ -223,6 +228,8 @@ class RunConfig:
             raise ConfigError("name", f"must be letters, digits, '_', '.', '-'; got {self.name!r}")
         if self.max_failures < -1:
             raise ConfigError("max_failures", f"must be >= -1 (-1: unlimited); got {self.max_failures}")
+        if self.max_preemptions < -1:
+            raise ConfigError("max_preemptions", f"must be >= -1 (-1: unlimited); got {self.max_preemptions}")
         at_least(self, 1, "report_every_steps")
 
 

@@ -119,12 +119,15 @@ class Console:
         return self
 
     def start(self) -> Sender:
-        """Once Ray is up: divert the forwarded output, start the feed; returns the sender that
-        rank 0 and the controller use."""
+        """Once Ray is up: divert the forwarded output, start the feed (an actor on this node);
+        returns the sender that rank 0 and the controller use."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.divert_forwarded()
-        self.feed = ray.remote(num_cpus=0)(Feed).remote()
+        # On the driver's node: losing any other node (a preemption) never silences the console.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.feed = ray.remote(num_cpus=0, scheduling_strategy=here)(Feed).remote()
         self._thread = threading.Thread(target=self._drain, name="raytrain_loops-console", daemon=True)
         self._thread.start()
         return Sender(self.feed)

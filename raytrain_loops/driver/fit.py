@@ -224,7 +224,7 @@ def _train_on_ray(
 
     sender = console.start()
     board = StopBoard.new(run_dir, config.scaling.num_workers)
-    announcer = Announcer(sender, config.run.max_failures)
+    announcer = Announcer(sender, config.run.max_failures, config.run.max_preemptions)
     trainer = build_trainer(
         config,
         task,

@@ -27,12 +27,12 @@ def run_name(config: Config, task: Task) -> str:
     shapes the result, so the same command maps to the same run directory. The run's length is
     part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
     same directory, continued). Scaling is not: the same recipe is the same run locally and on any
-    number of workers."""
+    number of workers; nor is how many preemptions Ray may retry (a cluster's, not the run's)."""
     if config.run.name:
         return config.run.name
     data = config.to_dict()
     del data["scaling"]
-    ignored = ("storage_path", "progress", "allow_config_change")
+    ignored = ("storage_path", "progress", "allow_config_change", "max_preemptions")
     data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
     # How the run is shown and where it is tracked are not what it is.
     data["logging"] = {k: v for k, v in data["logging"].items() if k not in ("verbose", "mlflow")}

@@ -51,8 +51,10 @@ def run_config(config: Config, name: str, callbacks: list[Any] | None = None) ->
         # A fixed-size group whose resources cannot be had fails the run at once instead of
         # retrying forever. An elastic group retries a start that timed out a few times: right
         # after a node goes, Ray may still count it and ask for one worker too many.
+        # A preemption (a node drained with notice) is retried apart from run.max_failures.
         failure_config=ray.train.FailureConfig(
             max_failures=config.run.max_failures,
+            max_preemption_failures=config.run.max_preemptions,
             controller_failure_limit=3 if elastic(config) else 0,
         ),
         # Ray keeps the newest, so the one before the newest is always there to fall back to

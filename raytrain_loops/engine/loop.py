@@ -129,6 +129,13 @@ class Callback:
         averages over all workers and all its applied updates (``train_<name>``), the same on
         every worker."""
 
+    def checkpoint_now(self, step: int) -> bool:
+        """After applied update ``step`` (not the run's last), at the step boundary: True asks
+        for a checkpoint here, whatever the cadence (a preemption notice). Called on every
+        worker at every such boundary, so the answer may come from a collective; it must be the
+        same on every worker."""
+        return False
+
     def before_checkpoint(self) -> None:
         """Right before a checkpoint is reported (flush what must be in the run directory)."""
 
@@ -343,7 +350,9 @@ class Loop:
         if not result.applied or engine.step >= self.total:
             return  # the final report comes after the loop
         evaluate_now = _due(s.eval_every, engine.step)
-        checkpoint_now = _due(s.checkpoint_every, engine.step)
+        # Every callback is asked (a list, not a short-circuit): each may be a collective.
+        asked = [cb.checkpoint_now(engine.step) for cb in self.callbacks]
+        checkpoint_now = _due(s.checkpoint_every, engine.step) or any(asked)
         if evaluate_now or checkpoint_now or _due(s.report_every, engine.step):
             self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now)
 

@@ -315,6 +315,7 @@ class Engine:
         if names:
             packed = torch.cat([packed, *(local.stats[k].to(self._cdev) for k in names)])
         collectives.all_reduce_sum(packed)
+        step_sync.require_group(self)  # a group torn down mid-step reduced nothing
         stats, at = {}, head
         for k in names:
             n = local.stats[k].numel()

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import ray
 import ray.train
 import ray.train.torch
 import torch
 
+from raytrain_loops.callbacks.preemption import Notice, PreemptionCheck
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.data.reach import check_here
 from raytrain_loops.driver.errors import Stopped
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.guards import TrainingError
+from raytrain_loops.engine.guards import GroupBrokenError, TrainingError
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.tasks import Task
 from raytrain_loops.worker.batches import ray_batches
@@ -70,6 +72,31 @@ def _check_stops(payload: WorkerPayload) -> None:
         raise _StoppedEarlier(stopped or Stopped("TrainingError", "a worker of an earlier attempt stopped the run", 0))
 
 
+def _preemption_notice() -> Notice | None:
+    """Ray Train's preemption notice (rank 0's, broadcast: a barrier), or None."""
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    deadline = info.deadline_ms / 1000 if info.deadline_ms else None
+    return Notice.of(info.preempted_node_to_ranks, deadline)
+
+
+def _watched() -> bool:
+    """Whether Ray Train watches node drains for this group (its preemption watcher, on unless
+    ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` turns it off), on every worker: asking for a notice
+    that cannot come costs a barrier for nothing."""
+    on = os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1").lower() in ("1", "true")
+    votes = torch.tensor([float(on)], device=collectives.collective_device())
+    return collectives.all_reduce_sum(votes).item() == collectives.world_size()
+
+
+def _torn_down(world: int) -> bool:
+    """Whether this worker's process group is gone (Ray destroys it when it tears the group
+    down, while the training thread may be mid-step): what the step's collectives computed since
+    then was this worker's alone."""
+    return world > 1 and collectives.world_size() != world
+
+
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     context = ray.train.get_context()
@@ -91,9 +118,19 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         )
     except _StoppedEarlier as earlier:
         return earlier.stopped
+    if _watched():
+        max_preemptions = payload.config.run.max_preemptions
+        wired.loop.callbacks.append(PreemptionCheck(_preemption_notice, rank, sender, max_preemptions))
     try:
         wired.loop.run(wired.position)
     except TrainingError as err:
+        if _torn_down(world):
+            # A group failure Ray retries (or ended on purpose), not a stop to post: the values
+            # that raised it were computed without the other workers.
+            raise GroupBrokenError(
+                f"worker {rank}'s process group was destroyed during step {wired.engine.step + 1} (the group is "
+                f"being torn down), which left {type(err).__name__}: {err}"
+            ) from err
         # A restart would meet it again. Raised by every worker at the same step (decided from
         # all-reduced values), every worker ends the attempt normally and the driver raises it;
         # raised by this worker alone, the others wait in a collective: raise, so that Ray ends

@@ -2,7 +2,8 @@
 gradient synchronisation of each micro-batch (:func:`sync`), the zero-weight pass that joins
 the collectives without data (:func:`join_with_dummy`), what an OOM in forward/backward leaves
 (:func:`recover_from_oom`: a zero-weight join, or the group's restart when the collectives
-under way cannot be rejoined), and the check that DDP left the same gradients on every worker
+under way cannot be rejoined), the check that the step's collectives still had every worker
+(:func:`require_group`) and the check that DDP left the same gradients on every worker
 (:func:`check_grad_sync`)."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from raytrain_loops.engine.precision import autocast
 if TYPE_CHECKING:
     from raytrain_loops.engine.step import Engine, LocalSums
 
-__all__ = ["check_grad_sync", "join_with_dummy", "recover_from_oom", "sync", "wrapping"]
+__all__ = ["check_grad_sync", "join_with_dummy", "recover_from_oom", "require_group", "sync", "wrapping"]
 
 
 def wrapping(model: nn.Module, world_size: int) -> tuple[bool, bool]:
@@ -105,6 +106,20 @@ def recover_from_oom(
             "the last checkpoint. If this repeats, lower the micro-batch size"
         ) from err
     engine.optimizer.zero_grad(set_to_none=True)
+
+
+def require_group(engine: Engine) -> None:
+    """Raise :class:`GroupBrokenError` when the process group the engine was built in is gone:
+    Ray destroys it when it tears the group down (a preemption's restart, another worker's
+    failure) while this worker's training thread may be mid-step, and from then on the
+    collectives are no-ops that leave this worker's own values (a gradient norm of 0 for every
+    other worker, a loss of this worker's batches alone). Judged as they are, those would be a
+    training stop (``GradSyncError``, a non-finite loss) where Ray retries a group failure."""
+    if engine.world_size > 1 and collectives.world_size() != engine.world_size:
+        raise GroupBrokenError(
+            f"the process group of {engine.world_size} workers was destroyed during step {engine.step + 1} "
+            "(the group is being torn down); the step's collectives did not reach the other workers"
+        )
 
 
 def check_grad_sync(norms: list[float], rtol: float, step: int) -> None:
