@@ -187,9 +187,34 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
     local = fit(_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())
     assert local.metrics == summary["metrics"] and sorted(p.name for p in run.iterdir()) == before
 
-    with pytest.raises(RayWouldStart):  # a longer run of it trains on
+    with pytest.raises(RayWouldStart):  # a longer run of it trains on, and is not finished until it ends
         fit(_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())
+    assert not (run / "summary.json").exists()
+    (run / "summary.json").write_text(json.dumps(summary))
     state = run / "checkpoint_00000016" / ckpt.STATE
     state.write_bytes(state.read_bytes()[:10])
     with pytest.raises(RayWouldStart):  # so does one whose final checkpoint is damaged
         fit(config, task=SpiralTask())
+
+
+def _finished_run(tmp_path: Path, config: dict, final: int = 16) -> Path:
+    """A run directory as a run of ``config`` that finished at step ``final`` left it."""
+    run = _started(tmp_path, config, steps=(8, final))
+    summary = {"run_dir": str(run), "wall_time_s": 1.0, "checkpoint": str(run / f"checkpoint_{final:08d}")}
+    summary["metrics"] = {"step": final, "done": 1.0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_finished_run_made_longer_then_interrupted_trains_on_when_rerun_at_another_scale(tmp_path, no_ray, capsys):
+    config = _config(tmp_path)
+    run = _finished_run(tmp_path, config)
+    longer = _config(tmp_path, loop={"epochs": 3})
+    with pytest.raises(RayWouldStart):  # the longer run, interrupted before its first new checkpoint
+        fit(longer, task=SpiralTask())
+    assert yaml.safe_load((run / "config.yaml").read_text())["loop"]["epochs"] == 3
+    capsys.readouterr()
+    # Rerun with only its scale changed: its config says 3 epochs, and the run has trained one.
+    with pytest.raises(RayWouldStart):
+        fit(_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}), task=SpiralTask())
+    assert "already finished" not in capsys.readouterr().out
