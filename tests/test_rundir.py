@@ -218,3 +218,19 @@ def test_a_finished_run_made_longer_then_interrupted_trains_on_when_rerun_at_ano
     with pytest.raises(RayWouldStart):
         fit(_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}), task=SpiralTask())
     assert "already finished" not in capsys.readouterr().out
+
+
+def test_a_file_uri_storage_path_is_the_local_directory_it_names(tmp_path, no_ray, monkeypatch):
+    from raytrain_loops import storage
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    config = _config(tmp_path, run={"storage_path": f"file://{tmp_path}/store"})
+    with pytest.raises(RayWouldStart):
+        fit(config, task=SpiralTask())
+    assert (tmp_path / "store" / "r" / "config.yaml").exists() and not list(cwd.iterdir())
+    assert storage.join("file://localhost/a/b", "c") == "/a/b/c" and storage.join("file:///a%20b") == "/a b"
+    elsewhere = _config(tmp_path, run={"storage_path": "file://host/a"})
+    with pytest.raises(ConfigError, match="run.storage_path: .*file://host/a.* not on host 'host'"):
+        fit(elsewhere, task=SpiralTask())  # another host's file system is not this one's

@@ -119,11 +119,12 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     tracking = open_tracking(config.logging.mlflow)  # an unusable tracking URI fails before any work
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
-    run_dir = storage.join(config.run.storage_path, name)
     try:
+        run_dir = storage.join(config.run.storage_path, name)
         storage.make_dirs(run_dir)
     except (OSError, ValueError) as err:
-        raise ConfigError("run.storage_path", f"cannot create the run directory {run_dir}: {err}") from None
+        where = f"{config.run.storage_path.rstrip('/')}/{name}"
+        raise ConfigError("run.storage_path", f"cannot create the run directory {where}: {err}") from None
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)

@@ -100,8 +100,10 @@ def data_location(data_dir: str) -> tuple[Path, Path | storage.StorePath]:
     (resolved: workers run in another directory), or, for a URI, the local staging directory
     kept for it (:func:`~raytrain_loops.data.staging.staging_dir`) and the URI. A URI pyarrow
     cannot open is refused, naming the key."""
-    if data_dir.startswith("file://"):
-        data_dir = data_dir.removeprefix("file://")
+    try:
+        data_dir = storage.local_path(data_dir)
+    except ValueError as err:
+        raise ConfigError("data.dir", str(err)) from None
     if not storage.is_uri(data_dir):
         local = Path(data_dir).expanduser().resolve()
         return local, local
