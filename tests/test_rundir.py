@@ -234,3 +234,33 @@ def test_a_file_uri_storage_path_is_the_local_directory_it_names(tmp_path, no_ra
     elsewhere = _config(tmp_path, run={"storage_path": "file://host/a"})
     with pytest.raises(ConfigError, match="run.storage_path: .*file://host/a.* not on host 'host'"):
         fit(elsewhere, task=SpiralTask())  # another host's file system is not this one's
+
+
+def test_a_hashed_run_name_leaves_out_retries_and_defaults_so_a_new_key_renames_nothing():
+    from dataclasses import dataclass, fields
+
+    from raytrain_loops.config.base import opt
+    from raytrain_loops.config.run import LoopConfig
+    from raytrain_loops.driver.preflight import run_name
+
+    base = load_config(CONFIG)
+    name = run_name(base, SpiralTask())
+    local = load_config(CONFIG, ["scaling.num_workers=0"])  # local mode requires run.max_failures=0
+    retries = load_config(CONFIG, ["run.max_failures=3", "run.max_preemptions=2"])
+    assert run_name(local, SpiralTask()) == run_name(retries, SpiralTask()) == name  # one directory
+    # The value a key takes by default is not hashed: written out or left to its default, one name.
+    assert run_name(load_config(CONFIG, [f"optim.name={base.optim.name}"]), SpiralTask()) == name
+    assert run_name(load_config(CONFIG, ["loop.seed=1"]), SpiralTask()) != name
+
+    @dataclass(kw_only=True, slots=True)
+    class LoopWithANewKey(LoopConfig):  # a release that adds loop.new_key, default 7
+        new_key: int = opt(7, "A key added later.")
+
+    def with_new_key(config, value):
+        config.loop = LoopWithANewKey(**{f.name: getattr(config.loop, f.name) for f in fields(LoopConfig)})
+        config.loop.new_key = value
+        return config
+
+    assert run_name(with_new_key(load_config(CONFIG), 7), SpiralTask()) == name  # renames nothing
+    assert run_name(with_new_key(load_config(CONFIG), 8), SpiralTask()) != name  # set, it is hashed
+    assert run_name(load_config(CONFIG, ["run.name=mine", "run.max_failures=3"]), SpiralTask()) == "mine"

@@ -6,6 +6,7 @@ what fails here fails in seconds, naming the key, file or column, before anythin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_loops import storage
-from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.config import Config, ConfigError, to_dict
+from raytrain_loops.driver.run_dir import flatten
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
@@ -22,21 +24,48 @@ class DataError(ValueError):
     """A data file, directory or column a task needs is missing."""
 
 
+# Keys that say where and how a run executes, not what it computes: left out of a hashed run
+# name. Scaling (the same recipe is the same run locally and on any number of workers), Ray's
+# retries (local mode allows none), where the run directory is, how the run is shown and where
+# it is tracked.
+UNHASHED = ("scaling", "run.name", "run.storage_path", "run.progress", "run.allow_config_change")
+UNHASHED += ("run.max_failures", "run.max_preemptions", "logging.verbose", "logging.mlflow")
+
+
+def _defaults(config: Config) -> dict[str, Any]:
+    """The config every key of ``config`` has at its default, section by section (each section
+    its own class's defaults: a section with a key a release added has it at its default)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(type(value)())
+        else:
+            out[f.name] = to_dict(f.default_factory() if f.default is dataclasses.MISSING else f.default)
+    return out
+
+
+def hashed_values(config: Config) -> dict[str, Any]:
+    """What a hashed run name is a hash of: every dotted key whose value differs from its default
+    (a key removed from a default mapping as ``<absent>``), but those of :data:`UNHASHED`. A key
+    at its default is left out, so a release that adds a key (at a default that keeps the old
+    behaviour) renames no run."""
+    values, defaults = flatten(config.to_dict()), flatten(_defaults(config))
+    keys = sorted(set(values) | set(defaults))
+    kept = [k for k in keys if not any(k == u or k.startswith(u + ".") for u in UNHASHED)]
+    return {k: values.get(k, "<absent>") for k in kept if values.get(k, "<absent>") != defaults.get(k, "<absent>")}
+
+
 def run_name(config: Config, task: Task) -> str:
-    """The run's name: ``run.name``, or the task's class name and a hash of everything that
-    shapes the result, so the same command maps to the same run directory. The run's length is
-    part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
-    same directory, continued). Scaling is not: the same recipe is the same run locally and on any
-    number of workers; nor is how many preemptions Ray may retry (a cluster's, not the run's)."""
+    """The run's name: ``run.name``, or the task's class name and a hash of the values that shape
+    the result and differ from their defaults (:func:`hashed_values`), so the same command maps
+    to the same run directory. The run's length is part of the hash: a longer run of the same
+    recipe is a new directory (with ``run.name``, the same directory, continued). Scaling and Ray's
+    retries are not: the same recipe is the same run locally and on any number of workers."""
     if config.run.name:
         return config.run.name
-    data = config.to_dict()
-    del data["scaling"]
-    ignored = ("storage_path", "progress", "allow_config_change", "max_preemptions")
-    data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
-    # How the run is shown and where it is tracked are not what it is.
-    data["logging"] = {k: v for k, v in data["logging"].items() if k not in ("verbose", "mlflow")}
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+    text = json.dumps(hashed_values(config), sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
 
