@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -124,6 +125,80 @@ def check_blocks(config: Config, task: Task) -> None:
         )
 
 
+class _Text(str):
+    """An annotation shown as written (``inspect`` shows a string annotation quoted)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shown(name: str, sig: inspect.Signature) -> str:
+    """``name(self, batch: dict[str, np.ndarray], train: bool) -> ...``, annotations unquoted."""
+
+    def plain(a: Any) -> Any:
+        return a if a is inspect.Parameter.empty else _Text(a if isinstance(a, str) else inspect.formatannotation(a))
+
+    params = [p.replace(annotation=plain(p.annotation)) for p in sig.parameters.values()]
+    return name + str(sig.replace(parameters=params, return_annotation=plain(sig.return_annotation)))
+
+
+def _overrides(task: Task, name: str) -> bool:
+    return inspect.getattr_static(task, name) is not inspect.getattr_static(Task, name)
+
+
+def _calls(task: Task, name: str, base: inspect.Signature) -> list[tuple[int, tuple[str, ...]]]:
+    """How the workers call ``Task.<name>``: (positional arguments, keyword arguments) of each
+    call form: the required parameters in order; ``preprocess(batch, train=...)``; and
+    ``evaluate(model, batch, metrics=...)`` for a task with :meth:`~Task.eval_metrics`."""
+    required = [p.name for p in list(base.parameters.values())[1:] if p.default is inspect.Parameter.empty]
+    calls = [(len(required), ())]
+    if name == "preprocess":
+        calls.append((len(required) - 1, ("train",)))
+    if name == "evaluate" and _overrides(task, "eval_metrics"):
+        calls.append((len(required), ("metrics",)))
+    return calls
+
+
+def _override(task: Task, name: str) -> tuple[Any, int]:
+    """The function overriding ``Task.<name>`` on ``task`` and how many leading arguments its
+    binding supplies (``self`` or ``cls``: 1; a static method or a callable attribute: 0)."""
+    raw = inspect.getattr_static(task, name)
+    if isinstance(raw, staticmethod):
+        return raw.__func__, 0
+    if isinstance(raw, classmethod):
+        return raw.__func__, 1
+    if inspect.isfunction(raw) and name not in getattr(task, "__dict__", {}):
+        return raw, 1
+    return raw, 0
+
+
+def check_task_methods(task_name: str, task: Task) -> None:
+    """Check each :class:`Task` method that ``task`` overrides against the ``Task`` signature: it
+    must take every call the workers make (a ``preprocess(self, batch)`` would fail inside a Ray
+    Data task, pages of traceback later). Raises :class:`ConfigError` naming ``task.name``, the
+    method and the signature expected."""
+    for name, base_fn in vars(Task).items():
+        if name.startswith("_") or not inspect.isfunction(base_fn) or not _overrides(task, name):
+            continue
+        fn, lead = _override(task, name)
+        where = f"{task_name!r}: {type(task).__name__}.{name}"
+        if not callable(fn):
+            raise ConfigError("task.name", f"{where} is {type(fn).__name__}, not a method like Task.{name}")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a callable whose signature Python cannot read
+            continue
+        base = inspect.signature(base_fn)
+        for positional, keywords in _calls(task, name, base):
+            try:
+                sig.bind(*[None] * (lead + positional), **dict.fromkeys(keywords))
+            except TypeError:
+                raise ConfigError(
+                    "task.name",
+                    f"{where}{_shown('', sig)} cannot take the call Task.{name} receives; expected {_shown(name, base)}",
+                ) from None
+
+
 def data_location(data_dir: str) -> tuple[Path, Path | storage.StorePath]:
     """Where tasks prepare ``data.dir`` and where their splits name it: a local directory twice
     (resolved: workers run in another directory), or, for a URI, the local staging directory
@@ -161,6 +236,7 @@ def upload_staged(staged: Path, data_dir: str) -> None:
 def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
     """Build the task and check its data on the driver, before any Ray work starts."""
     task = task or build_task(config.task.name, config.task.params)
+    check_task_methods(config.task.name, task)
     check_blocks(config, task)
     staged, data_dir = data_location(config.data.dir)
     task.prepare(staged)
