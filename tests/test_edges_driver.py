@@ -4,6 +4,9 @@ columns' size in memory, read from the Parquet footers."""
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from examples.custom_task import CONFIG, SpiralTask
@@ -80,3 +83,43 @@ def test_every_built_in_task_passes_the_check():
     for name in BUILTIN_PATHS:
         cls = builtin(name)
         check_task_methods(name, cls.__new__(cls))
+
+
+def _split_of(path, columns):
+    from raytrain_loops.data.parquet import index_split
+    from raytrain_loops.tasks import ParquetSplit
+
+    split = ParquetSplit(str(path), columns)
+    split.index = index_split(str(path), columns)
+    return split
+
+
+def test_materialize_auto_decides_on_the_columns_size_in_memory_read_from_the_footers(tmp_path, monkeypatch):
+    from raytrain_loops.driver import trainer
+
+    rows = 100_000
+    rng = np.random.default_rng(0)
+    table = pa.table(
+        {
+            "label": [f"category_{i % 3}" for i in range(rows)],  # dictionary-encoded: 1.6 KB on disk
+            "text": [f"{x:032x}" for x in rng.integers(0, 2**62, rows)],  # plain, compressed on disk
+            "x": np.zeros(rows, dtype=np.int64),  # run-length encoded: 0.4 KB on disk
+            "flag": np.arange(rows) % 2 == 0,  # bits in memory
+            "unread": [b"\0" * 1000] * rows,  # 100 MB in memory, not a column the task reads
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=25_000)
+    read = ["label", "text", "x", "flag"]
+    split = _split_of(tmp_path / "t.parquet", read)
+    in_memory = table.select(read).nbytes  # 5.8 MB
+    assert (tmp_path / "t.parquet").stat().st_size < in_memory / 2  # what auto measured: the file's size
+    assert 0.9 * in_memory <= split.index.memory_bytes <= 1.3 * in_memory  # the footers' estimate
+    for column in read:  # each column alone, dictionary-encoded and run-length encoded ones included
+        alone = _split_of(tmp_path / "t.parquet", [column]).index.memory_bytes
+        assert 0.9 * table[column].nbytes <= alone <= 1.3 * table[column].nbytes, column
+
+    config = load_config({**CONFIG, "data": {"batch_size": 64, "materialize": "auto"}})
+    monkeypatch.setattr(trainer, "MATERIALIZE_BELOW_BYTES", 4 << 20)  # the files fit under it, the table not
+    assert not trainer.hold_in_memory(split, config)
+    monkeypatch.setattr(trainer, "MATERIALIZE_BELOW_BYTES", 8 << 20)
+    assert trainer.hold_in_memory(split, config)
