@@ -57,7 +57,8 @@ class SplitIndex:
     row_groups: list[list[int]]
     columns: list[str]
     memory_bytes: int = 0
-    """The columns' size in memory, estimated from the footers (:func:`memory_bytes`)."""
+    """The columns' size in memory, estimated from the footers
+    (:func:`~raytrain_loops.data.footprint.memory_bytes`)."""
     table: Any = field(default=None, repr=False)
     """The split's columns held in memory (a ``pyarrow.Table`` or a Ray object reference to one),
     read instead of the files when set."""
@@ -91,6 +92,8 @@ def index_split(path: str, columns: list[str], ds: Any = None) -> SplitIndex:
     ``pyarrow.dataset`` when the caller has already opened it (no second listing)."""
     import pyarrow.dataset as pads
 
+    from raytrain_loops.data.footprint import memory_bytes
+
     ds = ds if ds is not None else pads.dataset(path, format="parquet")
     groups, size = [], 0
     for fragment in ds.get_fragments():
@@ -98,39 +101,6 @@ def index_split(path: str, columns: list[str], ds: Any = None) -> SplitIndex:
         groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         size += memory_bytes(meta, columns)
     return SplitIndex(path, ds.filesystem, list(ds.files), groups, list(columns), size)
-
-
-# Bits per value in memory of Parquet's fixed-width physical types.
-_BITS = {"BOOLEAN": 1, "INT32": 32, "INT64": 64, "INT96": 64, "FLOAT": 32, "DOUBLE": 64}
-
-
-def _chunk_bytes(chunk: Any, bits: int) -> int:
-    """A column chunk's size in memory, from its footer entry: its uncompressed size, or, where
-    the encoding hides it (a dictionary, runs), its values at their width; a variable-width
-    value (``BYTE_ARRAY``) at the mean length of its min and max statistics, plus its offset."""
-    values = chunk.num_values
-    if chunk.physical_type == "BYTE_ARRAY":
-        stats = chunk.statistics if chunk.is_stats_set else None
-        if stats is None or not stats.has_min_max:
-            return chunk.total_uncompressed_size
-        lengths = [len(v.encode() if isinstance(v, str) else v) for v in (stats.min, stats.max)]
-        bits = 8 * (4 + sum(lengths) // 2)
-    return max(chunk.total_uncompressed_size, values * bits // 8)
-
-
-def memory_bytes(meta: Any, columns: list[str]) -> int:
-    """The size in memory (as a ``pyarrow.Table``) of ``columns`` of the Parquet file whose footer
-    is ``meta``, without reading its pages: the sum of :func:`_chunk_bytes` over the chunks of
-    those columns (a nested column's leaves included). The files' size is no measure of it: a
-    dictionary-encoded or compressed column is many times larger decoded."""
-    wanted, total = set(columns), 0
-    for j in range(meta.num_columns):
-        column = meta.schema.column(j)
-        if column.path.split(".")[0] not in wanted:
-            continue
-        bits = _BITS.get(column.physical_type, 8 * (column.length or 0))  # FIXED_LEN_BYTE_ARRAY: its length
-        total += sum(_chunk_bytes(meta.row_group(i).column(j), bits) for i in range(meta.num_row_groups))
-    return total
 
 
 def chunks(index: SplitIndex, chunk_rows: int) -> np.ndarray:
