@@ -5,12 +5,30 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import urllib.parse
 import uuid
 from pathlib import Path
 
 
 def is_uri(path: str) -> bool:
+    """Whether ``path`` names an object store (``s3://``, ``gs://``, ...): a ``file://`` URI is a
+    local path (:func:`local_path`)."""
     return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """A ``file://`` URI (``file:///runs``, ``file://localhost/runs``) as the local path it names,
+    percent-escapes decoded; any other path unchanged. A URI naming another host is refused:
+    this machine cannot write there."""
+    if not path.startswith("file://"):
+        return path
+    parts = urllib.parse.urlsplit(path)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"{path}: a file:// URI names a path on this machine (file:///path or file://localhost/path), "
+            f"not on host {parts.netloc!r}"
+        )
+    return urllib.parse.unquote(parts.path)
 
 
 def _split(uri: str) -> tuple[str, str]:
@@ -24,7 +42,7 @@ def join(base: str, *parts: str) -> str:
     if is_uri(base):
         path, query = _split(base)
         return "/".join([path.rstrip("/"), *parts]) + query
-    return str(Path(base).expanduser().resolve().joinpath(*parts))
+    return str(Path(local_path(base)).expanduser().resolve().joinpath(*parts))
 
 
 class StorePath(str):

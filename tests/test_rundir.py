@@ -187,9 +187,80 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
     local = fit(_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())
     assert local.metrics == summary["metrics"] and sorted(p.name for p in run.iterdir()) == before
 
-    with pytest.raises(RayWouldStart):  # a longer run of it trains on
+    with pytest.raises(RayWouldStart):  # a longer run of it trains on, and is not finished until it ends
         fit(_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())
+    assert not (run / "summary.json").exists()
+    (run / "summary.json").write_text(json.dumps(summary))
     state = run / "checkpoint_00000016" / ckpt.STATE
     state.write_bytes(state.read_bytes()[:10])
     with pytest.raises(RayWouldStart):  # so does one whose final checkpoint is damaged
         fit(config, task=SpiralTask())
+
+
+def _finished_run(tmp_path: Path, config: dict, final: int = 16) -> Path:
+    """A run directory as a run of ``config`` that finished at step ``final`` left it."""
+    run = _started(tmp_path, config, steps=(8, final))
+    summary = {"run_dir": str(run), "wall_time_s": 1.0, "checkpoint": str(run / f"checkpoint_{final:08d}")}
+    summary["metrics"] = {"step": final, "done": 1.0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_finished_run_made_longer_then_interrupted_trains_on_when_rerun_at_another_scale(tmp_path, no_ray, capsys):
+    config = _config(tmp_path)
+    run = _finished_run(tmp_path, config)
+    longer = _config(tmp_path, loop={"epochs": 3})
+    with pytest.raises(RayWouldStart):  # the longer run, interrupted before its first new checkpoint
+        fit(longer, task=SpiralTask())
+    assert yaml.safe_load((run / "config.yaml").read_text())["loop"]["epochs"] == 3
+    capsys.readouterr()
+    # Rerun with only its scale changed: its config says 3 epochs, and the run has trained one.
+    with pytest.raises(RayWouldStart):
+        fit(_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}), task=SpiralTask())
+    assert "already finished" not in capsys.readouterr().out
+
+
+def test_a_file_uri_storage_path_is_the_local_directory_it_names(tmp_path, no_ray, monkeypatch):
+    from raytrain_loops import storage
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    config = _config(tmp_path, run={"storage_path": f"file://{tmp_path}/store"})
+    with pytest.raises(RayWouldStart):
+        fit(config, task=SpiralTask())
+    assert (tmp_path / "store" / "r" / "config.yaml").exists() and not list(cwd.iterdir())
+    assert storage.join("file://localhost/a/b", "c") == "/a/b/c" and storage.join("file:///a%20b") == "/a b"
+    elsewhere = _config(tmp_path, run={"storage_path": "file://host/a"})
+    with pytest.raises(ConfigError, match="run.storage_path: .*file://host/a.* not on host 'host'"):
+        fit(elsewhere, task=SpiralTask())  # another host's file system is not this one's
+
+
+def test_a_hashed_run_name_leaves_out_retries_and_defaults_so_a_new_key_renames_nothing():
+    from dataclasses import dataclass, fields
+
+    from raytrain_loops.config.base import opt
+    from raytrain_loops.config.run import LoopConfig
+    from raytrain_loops.driver.preflight import run_name
+
+    base = load_config(CONFIG)
+    name = run_name(base, SpiralTask())
+    local = load_config(CONFIG, ["scaling.num_workers=0"])  # local mode requires run.max_failures=0
+    retries = load_config(CONFIG, ["run.max_failures=3", "run.max_preemptions=2"])
+    assert run_name(local, SpiralTask()) == run_name(retries, SpiralTask()) == name  # one directory
+    # The value a key takes by default is not hashed: written out or left to its default, one name.
+    assert run_name(load_config(CONFIG, [f"optim.name={base.optim.name}"]), SpiralTask()) == name
+    assert run_name(load_config(CONFIG, ["loop.seed=1"]), SpiralTask()) != name
+
+    @dataclass(kw_only=True, slots=True)
+    class LoopWithANewKey(LoopConfig):  # a release that adds loop.new_key, default 7
+        new_key: int = opt(7, "A key added later.")
+
+    def with_new_key(config, value):
+        config.loop = LoopWithANewKey(**{f.name: getattr(config.loop, f.name) for f in fields(LoopConfig)})
+        config.loop.new_key = value
+        return config
+
+    assert run_name(with_new_key(load_config(CONFIG), 7), SpiralTask()) == name  # renames nothing
+    assert run_name(with_new_key(load_config(CONFIG), 8), SpiralTask()) != name  # set, it is hashed
+    assert run_name(load_config(CONFIG, ["run.name=mine", "run.max_failures=3"]), SpiralTask()) == "mine"

@@ -58,6 +58,9 @@ class SplitIndex:
     files: list[str]
     row_groups: list[list[int]]
     columns: list[str]
+    memory_bytes: int = 0
+    """The columns' size in memory, estimated from the footers
+    (:func:`~raytrain_loops.data.footprint.memory_bytes`)."""
     table: Any = field(default=None, repr=False)
     """The split's columns held in memory (a ``pyarrow.Table`` or a Ray object reference to one),
     read instead of the files when set."""
@@ -78,10 +81,6 @@ class SplitIndex:
     def largest_group(self) -> int:
         return max((n for groups in self.row_groups for n in groups), default=0)
 
-    def size_bytes(self) -> int:
-        """The files' total size (one listing call)."""
-        return sum(info.size or 0 for info in self.filesystem.get_file_info(self.files))
-
     def read_all(self) -> Any:
         """The split's columns as one ``pyarrow.Table``, in the index's file order (the order
         :meth:`group_offsets` counts in)."""
@@ -95,12 +94,15 @@ def index_split(path: str, columns: list[str], ds: Any = None) -> SplitIndex:
     ``pyarrow.dataset`` when the caller has already opened it (no second listing)."""
     import pyarrow.dataset as pads
 
+    from raytrain_loops.data.footprint import memory_bytes
+
     ds = ds if ds is not None else pads.dataset(path, format="parquet")
-    groups = []
+    groups, size = [], 0
     for fragment in ds.get_fragments():
         meta = fragment.metadata
         groups.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-    return SplitIndex(path, ds.filesystem, list(ds.files), groups, list(columns))
+        size += memory_bytes(meta, columns)
+    return SplitIndex(path, ds.filesystem, list(ds.files), groups, list(columns), size)
 
 
 def chunks(index: SplitIndex, chunk_rows: int) -> np.ndarray:

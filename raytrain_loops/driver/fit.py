@@ -23,6 +23,7 @@ from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, wa
 from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.run_dir import (
     PRECISION_FILE,
+    SUMMARY,
     Finished,
     RunLock,
     check_config,
@@ -30,6 +31,7 @@ from raytrain_loops.driver.run_dir import (
     finished,
     pin_artefacts,
     record_changes,
+    unfinish,
 )
 from raytrain_loops.driver.stops import StopBoard, fit_or_stop
 from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
@@ -117,11 +119,12 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     tracking = open_tracking(config.logging.mlflow)  # an unusable tracking URI fails before any work
     task, splits, rows = prepare(config, task)
     name = run_name(config, task)
-    run_dir = storage.join(config.run.storage_path, name)
     try:
+        run_dir = storage.join(config.run.storage_path, name)
         storage.make_dirs(run_dir)
     except (OSError, ValueError) as err:
-        raise ConfigError("run.storage_path", f"cannot create the run directory {run_dir}: {err}") from None
+        where = f"{config.run.storage_path.rstrip('/')}/{name}"
+        raise ConfigError("run.storage_path", f"cannot create the run directory {where}: {err}") from None
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)
@@ -129,6 +132,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done)
+        unfinish(run_dir)
         changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
@@ -187,7 +191,7 @@ def _train(
             "precision": _precision(run_dir),
             "metrics": metrics,
         }
-        storage.write_text(storage.join(run_dir, "summary.json"), json.dumps(summary, indent=2, default=float) + "\n")
+        storage.write_text(storage.join(run_dir, SUMMARY), json.dumps(summary, indent=2, default=float) + "\n")
         if not storage.is_uri(run_dir):
             from raytrain_loops.driver.plots import plot_run
 

@@ -6,14 +6,17 @@ what fails here fails in seconds, naming the key, file or column, before anythin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 from raytrain_loops import storage
-from raytrain_loops.config import Config, ConfigError
+from raytrain_loops.config import Config, ConfigError, to_dict
+from raytrain_loops.driver.run_dir import flatten
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
@@ -22,21 +25,48 @@ class DataError(ValueError):
     """A data file, directory or column a task needs is missing."""
 
 
+# Keys that say where and how a run executes, not what it computes: left out of a hashed run
+# name. Scaling (the same recipe is the same run locally and on any number of workers), Ray's
+# retries (local mode allows none), where the run directory is, how the run is shown and where
+# it is tracked.
+UNHASHED = ("scaling", "run.name", "run.storage_path", "run.progress", "run.allow_config_change")
+UNHASHED += ("run.max_failures", "run.max_preemptions", "logging.verbose", "logging.mlflow")
+
+
+def _defaults(config: Config) -> dict[str, Any]:
+    """The config every key of ``config`` has at its default, section by section (each section
+    its own class's defaults: a section with a key a release added has it at its default)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(type(value)())
+        else:
+            out[f.name] = to_dict(f.default_factory() if f.default is dataclasses.MISSING else f.default)
+    return out
+
+
+def hashed_values(config: Config) -> dict[str, Any]:
+    """What a hashed run name is a hash of: every dotted key whose value differs from its default
+    (a key removed from a default mapping as ``<absent>``), but those of :data:`UNHASHED`. A key
+    at its default is left out, so a release that adds a key (at a default that keeps the old
+    behaviour) renames no run."""
+    values, defaults = flatten(config.to_dict()), flatten(_defaults(config))
+    keys = sorted(set(values) | set(defaults))
+    kept = [k for k in keys if not any(k == u or k.startswith(u + ".") for u in UNHASHED)]
+    return {k: values.get(k, "<absent>") for k in kept if values.get(k, "<absent>") != defaults.get(k, "<absent>")}
+
+
 def run_name(config: Config, task: Task) -> str:
-    """The run's name: ``run.name``, or the task's class name and a hash of everything that
-    shapes the result, so the same command maps to the same run directory. The run's length is
-    part of the hash: a longer run of the same recipe is a new directory (with ``run.name``, the
-    same directory, continued). Scaling is not: the same recipe is the same run locally and on any
-    number of workers; nor is how many preemptions Ray may retry (a cluster's, not the run's)."""
+    """The run's name: ``run.name``, or the task's class name and a hash of the values that shape
+    the result and differ from their defaults (:func:`hashed_values`), so the same command maps
+    to the same run directory. The run's length is part of the hash: a longer run of the same
+    recipe is a new directory (with ``run.name``, the same directory, continued). Scaling and Ray's
+    retries are not: the same recipe is the same run locally and on any number of workers."""
     if config.run.name:
         return config.run.name
-    data = config.to_dict()
-    del data["scaling"]
-    ignored = ("storage_path", "progress", "allow_config_change", "max_preemptions")
-    data["run"] = {k: v for k, v in data["run"].items() if k not in ignored}
-    # How the run is shown and where it is tracked are not what it is.
-    data["logging"] = {k: v for k, v in data["logging"].items() if k not in ("verbose", "mlflow")}
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+    text = json.dumps(hashed_values(config), sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     base = type(task).__name__.removesuffix("Task").lower() or "task"
     return f"{base}-{digest}"
 
@@ -95,13 +125,89 @@ def check_blocks(config: Config, task: Task) -> None:
         )
 
 
+class _Text(str):
+    """An annotation shown as written (``inspect`` shows a string annotation quoted)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shown(name: str, sig: inspect.Signature) -> str:
+    """``name(self, batch: dict[str, np.ndarray], train: bool) -> ...``, annotations unquoted."""
+
+    def plain(a: Any) -> Any:
+        return a if a is inspect.Parameter.empty else _Text(a if isinstance(a, str) else inspect.formatannotation(a))
+
+    params = [p.replace(annotation=plain(p.annotation)) for p in sig.parameters.values()]
+    return name + str(sig.replace(parameters=params, return_annotation=plain(sig.return_annotation)))
+
+
+def _overrides(task: Task, name: str) -> bool:
+    return inspect.getattr_static(task, name) is not inspect.getattr_static(Task, name)
+
+
+def _calls(task: Task, name: str, base: inspect.Signature) -> list[tuple[int, tuple[str, ...]]]:
+    """How the workers call ``Task.<name>``: (positional arguments, keyword arguments) of each
+    call form: the required parameters in order; ``preprocess(batch, train=...)``; and
+    ``evaluate(model, batch, metrics=...)`` for a task with :meth:`~Task.eval_metrics`."""
+    required = [p.name for p in list(base.parameters.values())[1:] if p.default is inspect.Parameter.empty]
+    calls = [(len(required), ())]
+    if name == "preprocess":
+        calls.append((len(required) - 1, ("train",)))
+    if name == "evaluate" and _overrides(task, "eval_metrics"):
+        calls.append((len(required), ("metrics",)))
+    return calls
+
+
+def _override(task: Task, name: str) -> tuple[Any, int]:
+    """The function overriding ``Task.<name>`` on ``task`` and how many leading arguments its
+    binding supplies (``self`` or ``cls``: 1; a static method or a callable attribute: 0)."""
+    raw = inspect.getattr_static(task, name)
+    if isinstance(raw, staticmethod):
+        return raw.__func__, 0
+    if isinstance(raw, classmethod):
+        return raw.__func__, 1
+    if inspect.isfunction(raw) and name not in getattr(task, "__dict__", {}):
+        return raw, 1
+    return raw, 0
+
+
+def check_task_methods(task_name: str, task: Task) -> None:
+    """Check each :class:`Task` method that ``task`` overrides against the ``Task`` signature: it
+    must take every call the workers make (a ``preprocess(self, batch)`` would fail inside a Ray
+    Data task, pages of traceback later). Raises :class:`ConfigError` naming ``task.name``, the
+    method and the signature expected."""
+    for name, base_fn in vars(Task).items():
+        if name.startswith("_") or not inspect.isfunction(base_fn) or not _overrides(task, name):
+            continue
+        fn, lead = _override(task, name)
+        where = f"{task_name!r}: {type(task).__name__}.{name}"
+        if not callable(fn):
+            raise ConfigError("task.name", f"{where} is {type(fn).__name__}, not a method like Task.{name}")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # a callable whose signature Python cannot read
+            continue
+        base = inspect.signature(base_fn)
+        for positional, keywords in _calls(task, name, base):
+            try:
+                sig.bind(*[None] * (lead + positional), **dict.fromkeys(keywords))
+            except TypeError:
+                raise ConfigError(
+                    "task.name",
+                    f"{where}{_shown('', sig)} cannot take the call Task.{name} receives; expected {_shown(name, base)}",
+                ) from None
+
+
 def data_location(data_dir: str) -> tuple[Path, Path | storage.StorePath]:
     """Where tasks prepare ``data.dir`` and where their splits name it: a local directory twice
     (resolved: workers run in another directory), or, for a URI, the local staging directory
     kept for it (:func:`~raytrain_loops.data.staging.staging_dir`) and the URI. A URI pyarrow
     cannot open is refused, naming the key."""
-    if data_dir.startswith("file://"):
-        data_dir = data_dir.removeprefix("file://")
+    try:
+        data_dir = storage.local_path(data_dir)
+    except ValueError as err:
+        raise ConfigError("data.dir", str(err)) from None
     if not storage.is_uri(data_dir):
         local = Path(data_dir).expanduser().resolve()
         return local, local
@@ -130,6 +236,7 @@ def upload_staged(staged: Path, data_dir: str) -> None:
 def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], dict[str, int]]:
     """Build the task and check its data on the driver, before any Ray work starts."""
     task = task or build_task(config.task.name, config.task.params)
+    check_task_methods(config.task.name, task)
     check_blocks(config, task)
     staged, data_dir = data_location(config.data.dir)
     task.prepare(staged)

@@ -30,6 +30,7 @@ LOCK = "driver.lock"
 CHANGES = "config_changes.jsonl"
 ARTEFACTS = "artefacts"  # the task's pinned files: <run>/artefacts/<name>
 ARTEFACTS_FILE = "artefacts.json"  # their SHA-256 and the prepared data's digest
+SUMMARY = "summary.json"  # a finished run's metrics; removed when the run trains again
 PRECISION_FILE = "precision.json"  # the dtype the run trains in (precision.dtype=auto resolved at its first start)
 # What a rerun may change: where and how the run executes (compilation and activation
 # checkpointing included: they change how blocks compute, not the state a checkpoint holds), and
@@ -283,8 +284,9 @@ def finished(run_dir: str, final_step: int | None) -> Finished | None:
     """The run's summary when it finished: ``summary.json`` says done, and its newest checkpoint
     is intact and at ``final_step`` (None: at the summary's step, for a rerun that changed no key
     of the run's length: only its scale, whose steps per epoch differ). None when there is
-    training left to do."""
-    text = storage.read_text(storage.join(run_dir, "summary.json"))
+    training left to do. The summary is the last start's: :func:`unfinish` removes it when the run
+    trains again, so a longer rerun interrupted before it ends leaves no summary to trust."""
+    text = storage.read_text(storage.join(run_dir, SUMMARY))
     summary = json.loads(text) if text else None
     if not summary or not summary.get("metrics", {}).get("done"):
         return None
@@ -299,3 +301,9 @@ def finished(run_dir: str, final_step: int | None) -> Finished | None:
         except ckpt_files.CheckpointError:
             return None  # the workers will redo the last steps from the checkpoint before
     return Finished(summary, paths[-1])
+
+
+def unfinish(run_dir: str) -> None:
+    """Remove the summary of an earlier start before the run trains again: until this start
+    writes its own, the run is not finished (its ``config.yaml`` may now ask for more steps)."""
+    storage.delete(storage.join(run_dir, SUMMARY))

@@ -70,12 +70,14 @@ MATERIALIZE_BELOW_BYTES = 1 << 30
 def hold_in_memory(split: ParquetSplit, config: Config) -> bool:
     """Whether the split's columns are read once on the driver into Ray's object store, from which
     every worker slices its rows instead of reading the files every epoch: ``data.materialize``
-    ``always``, or ``auto`` and the files under 1 GiB. Either way the rows and their order are
+    ``always``, or ``auto`` and the columns read under 1 GiB in memory (estimated from the
+    footers, :func:`~raytrain_loops.data.footprint.memory_bytes`: the files' size understates a
+    dictionary-encoded or compressed column many times over). Either way the rows and their order are
     the same (the plan is defined on the files' row groups)."""
     mode = config.data.materialize
     if mode != "auto":
         return mode == "always"
-    return split.index.size_bytes() < MATERIALIZE_BELOW_BYTES
+    return split.index.memory_bytes < MATERIALIZE_BELOW_BYTES
 
 
 def place_parquet(splits: dict[str, Any], config: Config) -> None:
