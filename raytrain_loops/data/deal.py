@@ -57,8 +57,8 @@ class Chunks:
     @classmethod
     def of(cls, row_groups: Sequence[Sequence[int]], size: int) -> Chunks:
         """The chunks of a split whose files hold row groups of ``row_groups`` rows."""
-        rows = np.fromiter((n for groups in row_groups for n in groups), dtype=np.int64)
         files = np.cumsum([0] + [len(groups) for groups in row_groups], dtype=np.int64)
+        rows = np.fromiter((n for groups in row_groups for n in groups), dtype=np.int64, count=int(files[-1]))
         counts = rows + (size - 1)
         counts //= size  # each row group's chunks
         first = np.zeros(len(rows) + 1, dtype=np.int64)
