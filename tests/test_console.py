@@ -135,6 +135,40 @@ def test_the_raylets_messages_go_to_ray_log_and_rays_printer_comes_back_after(tm
     assert ray_worker.print_to_stdstream is rays
 
 
+class ClosedPipe(io.StringIO):
+    """A terminal gone: every write fails, as a closed pipe's does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_raylet_message_the_display_cannot_show_never_stops_rays_error_listener(tmp_path):
+    import ray._private.worker as ray_worker
+
+    messages = [
+        "1 Workers killed due to memory pressure (OOM)",  # shown: the display raises
+        None,  # not text
+        "2 Workers killed due to memory pressure (OOM)",
+    ]
+    heard: list = []
+
+    def listen_error_messages() -> None:  # Ray's listener: a loop on its thread that an exception ends
+        for message in messages:
+            ray_worker.print_to_stdstream({"lines": [message], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+            heard.append(message)
+
+    with Console(str(tmp_path), display=Display(ClosedPipe(), live=False)) as console:
+        console.divert_forwarded()
+        listener = threading.Thread(target=listen_error_messages, name="ray_listen_error_messages")
+        listener.start()
+        listener.join(10)
+    assert heard == messages  # the listener went on past every message
+    log = (tmp_path / "ray.log").read_text()
+    assert "(raylet pid=raylet) 1 Workers killed" in log and "(raylet pid=raylet) 2 Workers killed" in log
+    assert log.count("console: a message of the raylet could not be shown (BrokenPipeError: ") == 2
+    assert log.count("console: a message of the raylet could not be shown (TypeError: ") == 1
+
+
 class ChangedDispatcher:
     """Ray's dispatcher of forwarded output as another Ray version might keep it: its handlers by
     name, under another lock. It starts with Ray's own handler, ``rays``."""

@@ -232,16 +232,26 @@ class Console:
             return
 
         def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
-            if data.get("pid") == "raylet":
-                self._forwarded({**data, "actor_name": "raylet"})
-                for line in data.get("lines", []):
-                    if RAYLET_SHOWN.search(line):  # a worker killed, memory running out: the user's to see
-                        self.display.line(f"(raylet) {ANSI.sub('', line).strip()}")
+            if isinstance(data, dict) and data.get("pid") == "raylet":
+                self._raylet_message(data)
             else:
                 original(data, ignore_prefix)
 
         ray_worker.print_to_stdstream = routed
         self._saved_print = (ray_worker, original)
+
+    def _raylet_message(self, data: dict[str, Any]) -> None:
+        """Ray's error listener calls this for each of the raylet's messages, in a loop that an
+        exception ends (and every later message with it: the out-of-memory kills), so none
+        leaves: one that cannot be shown is noted in ``ray.log`` instead."""
+        try:
+            self._forwarded({**data, "actor_name": "raylet"})
+            for line in data.get("lines", []):
+                if RAYLET_SHOWN.search(line):  # a worker killed, memory running out: the user's to see
+                    self.display.line(f"(raylet) {ANSI.sub('', line).strip()}")
+        except Exception as err:
+            with suppress(Exception):
+                self._to_log(f"console: a message of the raylet could not be shown ({root_cause(err)}): {data!r:.2000}")
 
     def _forwarded(self, data: dict[str, Any]) -> None:
         """Ray's log thread calls this for each batch of a process's lines: an exception here

@@ -7,7 +7,9 @@ are not stable):
 
 1. the split is cut into *chunks*: every row group into pieces of at most ``data.shuffle_chunk_rows``
    rows, in storage order;
-2. the chunks are dealt out with a generator seeded by (seed, epoch) (:func:`deal`): of every
+2. the chunks are dealt out with a generator seeded by (seed, epoch)
+   (:func:`~raytrain_loops.data.deal.deal`, on one number per chunk; a worker builds its own
+   share's pieces only, so neither a plan's time nor its memory is the split's list): of every
    ``world`` neighbouring chunks each worker gets one, at random, and takes its chunks in random
    order. A new order of the whole split every epoch, the same on every run; a worker reads
    ``1 / world`` of the chunks, from every region of the split, and a different set every epoch;
@@ -40,11 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from raytrain_loops.data.deal import FILE, GROUP, START, STOP, cut, keyed_rng, shares, storage_span
+
 ROW_SEED = "_row_seed"
 """The batch key under which :meth:`Task.preprocess` finds each row's seed (``uint64``)."""
-
-# Columns of the arrays that describe pieces: rows [start, stop) of a row group of a file.
-FILE, GROUP, START, STOP = range(4)
 
 
 @dataclass
@@ -105,36 +106,6 @@ def index_split(path: str, columns: list[str], ds: Any = None) -> SplitIndex:
     return SplitIndex(path, ds.filesystem, list(ds.files), groups, list(columns), size)
 
 
-def chunks(index: SplitIndex, chunk_rows: int) -> np.ndarray:
-    """The split cut into pieces of at most ``chunk_rows`` rows of one row group, in storage
-    order: an ``(n, 4)`` array of (file, row group, start, stop)."""
-    parts = []
-    for f, groups in enumerate(index.row_groups):
-        for g, n in enumerate(groups):
-            starts = np.arange(0, n, chunk_rows, dtype=np.int64)
-            stops = np.minimum(starts + chunk_rows, n)
-            parts.append(np.stack([np.full_like(starts, f), np.full_like(starts, g), starts, stops], axis=1))
-    return np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
-
-
-def cut(pieces: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The pieces covering rows ``[lo, hi)`` of the rows ``pieces`` hold, in order, the first
-    and last trimmed."""
-    lengths = pieces[:, STOP] - pieces[:, START]
-    ends = np.cumsum(lengths)
-    begins = ends - lengths
-    keep = (ends > lo) & (begins < hi)
-    out = pieces[keep].copy()
-    if len(out):
-        out[:, START] += np.maximum(lo - begins[keep], 0)
-        out[:, STOP] -= np.maximum(ends[keep] - hi, 0)
-    return out
-
-
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([k % 2**63 for k in key]))
-
-
 @dataclass
 class WorkerPlan:
     """One worker's rows of one epoch: ``pieces`` in reading order, read in windows of whole
@@ -180,52 +151,30 @@ class WorkerPlan:
 
     def order(self, w: int, n: int) -> np.ndarray | None:
         """The permutation of window ``w``'s ``n`` rows (None: storage order)."""
-        return None if self.key is None else _rng(*self.key, w).permutation(n)
+        return None if self.key is None else keyed_rng(*self.key, w).permutation(n)
 
 
 # Rows per window when the train split is not shuffled (data.shuffle_buffer=0) and for evaluation.
 READ_ROWS = 4096
 
 
-def deal(count: int, world: int, rng: np.random.Generator) -> np.ndarray:
-    """A seeded order of ``count`` chunks, stratified over the group: each run of ``world``
-    neighbouring chunks (in storage order) gives one chunk to each worker's part, the parts
-    follow one another, and each part is in random order. A worker so draws from every region of
-    the split, whatever order it is stored in (by class, source or time), and its chunks differ
-    from one epoch to the next (each is its own with probability ``1 / world``)."""
-    owner = np.empty(count, dtype=np.int64)
-    full = count // world * world
-    owner[:full] = np.argsort(rng.random((count // world, world)), axis=1).ravel()
-    owner[full:] = rng.permutation(world)[: count - full]
-    return np.concatenate([rng.permutation(np.flatnonzero(owner == r)) for r in range(world)])
-
-
 def train_plan(
     index: SplitIndex, seed: int, epoch: int, world: int, rank: int, chunk_rows: int, buffer: int
 ) -> WorkerPlan:
     """Worker ``rank``'s share of the training split in ``epoch``: the split's chunks dealt out
-    by (seed, epoch) (:func:`deal`), the dealt order cut into ``world`` equal shares (the
-    remainder dropped); windows of about ``buffer`` rows permuted (``buffer`` 0: storage order,
-    no shuffle at all)."""
-    pieces = dealt(index, seed, epoch, world, chunk_rows, buffer)
-    share = index.rows // world
-    mine = cut(pieces, rank * share, (rank + 1) * share)
+    by (seed, epoch) (:func:`~raytrain_loops.data.deal.deal`), the dealt order cut into
+    ``world`` equal shares (the remainder dropped); windows of about ``buffer`` rows permuted
+    (``buffer`` 0: storage order, no shuffle at all). Only this share's pieces are built."""
+    (mine,) = shares(index.row_groups, (seed, epoch), world, chunk_rows, bool(buffer), [rank])
     return WorkerPlan(mine, buffer or READ_ROWS, (seed, epoch, world, rank) if buffer else None)
-
-
-def dealt(index: SplitIndex, seed: int, epoch: int, world: int, chunk_rows: int, buffer: int) -> np.ndarray:
-    """The split's chunks in the order ``epoch`` deals them to a group of ``world`` (``buffer`` 0:
-    storage order), before the cut into shares."""
-    pieces = chunks(index, chunk_rows)
-    return pieces[deal(len(pieces), world, _rng(seed, epoch))] if buffer else pieces
 
 
 def eval_plan(index: SplitIndex, world: int, rank: int) -> WorkerPlan:
     """Worker ``rank``'s part of an evaluation split: rows ``rows * rank // world`` to
     ``rows * (rank + 1) // world`` in storage order (every row evaluated once)."""
-    pieces = chunks(index, READ_ROWS)
     n = index.rows
-    return WorkerPlan(cut(pieces, n * rank // world, n * (rank + 1) // world), READ_ROWS, None)
+    mine = storage_span(index.row_groups, READ_ROWS, n * rank // world, n * (rank + 1) // world)
+    return WorkerPlan(mine, READ_ROWS, None)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

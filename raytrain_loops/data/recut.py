@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_loops.data.parquet import READ_ROWS, Reader, SplitIndex, WorkerPlan, cut, dealt, read_window
+from raytrain_loops.data.deal import cut, shares
+from raytrain_loops.data.parquet import READ_ROWS, Reader, SplitIndex, WorkerPlan, read_window
 
 # Columns of the arrays of segments: rows [lo, hi) of window ``window`` (in its order) of plan ``plan``.
 PLAN, WINDOW, LO, HI = range(4)
@@ -199,15 +200,14 @@ def recut_plan(
     index: SplitIndex, seed: int, epoch: int, chunk_rows: int, buffer: int, deal: Deal, rank: int
 ) -> RecutPlan:
     """Worker ``rank``'s part of ``epoch`` on ``deal``: the epoch's plans for the deal's first
-    group size (as :func:`~raytrain_loops.data.parquet.train_plan` makes them), and the rows
-    the deal leaves out, re-cut by :func:`recut_parts`."""
+    group size (as :func:`~raytrain_loops.data.parquet.train_plan` makes them, every share from
+    one deal of the split, :func:`~raytrain_loops.data.deal.shares`), and the rows the deal
+    leaves out, re-cut by :func:`recut_parts`."""
     world = deal.world
-    pieces = dealt(index, seed, epoch, world, chunk_rows, buffer)
-    share = index.rows // world
-    bounds = [(q * share, (q + 1) * share) for q in range(world)] + [(world * share, index.rows)]
+    dealt = shares(index.row_groups, (seed, epoch), world, chunk_rows, bool(buffer), range(world + 1))
     base = [
-        WorkerPlan(cut(pieces, lo, hi), buffer or READ_ROWS, (seed, epoch, world, q) if buffer else None)
-        for q, (lo, hi) in enumerate(bounds)
+        WorkerPlan(pieces, buffer or READ_ROWS, (seed, epoch, world, q) if buffer else None)
+        for q, pieces in enumerate(dealt)
     ]
     parts = recut_parts([_window_segments(q, plan) for q, plan in enumerate(base)], deal.recuts)
     return RecutPlan(base, parts[rank])
