@@ -18,7 +18,7 @@ ray_part=$!
 trap 'kill $ray_part 2>/dev/null || true' INT TERM
 status=0
 echo "== tests without Ray (the tests marked ray run beside them; their output follows) =="
-.venv/bin/python -m pytest -q -m "not ray" || status=$?
+.venv/bin/python -m pytest -q -m "not ray" --durations=8 || status=$?
 wait "$ray_part" || status=$?
 echo "== tests marked ray =="
 cat "$log"

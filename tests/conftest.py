@@ -20,10 +20,16 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 def pytest_collection_modifyitems(items):
     """A test that uses a Ray fixture is marked ``ray`` even if its author forgot: scripts/test.sh
     runs the Ray tests in a process of their own, and a Ray test left among the others would start
-    a second Ray instance there."""
+    a second Ray instance there.
+
+    The multi-node tests run last, one after the other: the test bed's head, second node and S3
+    server (the session's ``cluster``) start at the first of them and stop with the session, so
+    their processes take no CPU from the rest of the suite (on 2 cores, an idle cluster alive for
+    the whole Ray part slowed every other test)."""
     for item in items:
         if {"ray_session", "cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+    items.sort(key=lambda item: "cluster" in getattr(item, "fixturenames", ()))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
@@ -52,5 +58,10 @@ def cluster():
     from tests.multinode import running_cluster
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    import ray
+
+    # The multi-node tests run last (see above): the shared local Ray, idle from here on, stops now.
+    if ray.is_initialized():
+        ray.shutdown()
     with running_cluster() as running:
         yield running

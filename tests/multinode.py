@@ -191,11 +191,13 @@ class Cluster:
             return self.second
         return self.start_second()
 
-    def cli(self, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
-        """``raytrain-loops ARGS`` run on the head's machine as a driver of this cluster."""
+    def cli(self, *args: str, timeout: float = 420, home: Path | None = None) -> subprocess.CompletedProcess:
+        """``raytrain-loops ARGS`` run on the head's machine as a driver of this cluster (``home``:
+        its home directory, where the caches and staging directories of ``~/.cache`` go)."""
+        env = {**self.env, "RAY_ADDRESS": self.gcs, **({"HOME": str(home)} if home else {})}
         return subprocess.run(
             [sys.executable, "-m", "raytrain_loops.cli", *args],
-            env={**self.env, "RAY_ADDRESS": self.gcs},
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -1,8 +1,12 @@
 """The recipes that preprocess on Ray Data (``hf_lm``, ``images_cls``) across two Ray nodes that
 share no disk (tests/multinode.py): one training worker per node, data and run directory on the
 S3 server, streamed by the workers (``data.materialize=never``), a preprocessing slot left on each
-node. Each run's checkpoint records where it trained (every worker's node) and where its rows
-were preprocessed (each worker's rows per node, ``preprocessed_on``): both nodes did both."""
+node. Each run's checkpoints record where it trained (every worker's node) and where its rows
+were preprocessed (each worker's rows per node, ``preprocessed_on``): both nodes did both.
+
+The ``images_cls`` run is also the run in a bucket that survives a killed worker: its data
+uploaded from the driver's staging directory, its log holding each step once, its best
+checkpoints in ``best/``, and a rerun of the finished run that trains and writes nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from raytrain_loops import storage
@@ -30,33 +35,37 @@ ACROSS = [
     "data.preprocess.num_cpus=1",
     "data.preprocess.batch_rows=32",
     "data.shuffle_buffer=64",  # windows of 64 rows: a preprocessing task each, several per worker
-    "loop.max_steps=16",
-    "eval.every_steps=16",
-    "checkpoint.every_steps=16",
-    "logging.every_steps=8",
-    "run.report_every_steps=8",
+    "logging.every_steps=4",
+    "run.report_every_steps=4",
     "run.progress=false",
 ]
 
 
-def _train(cluster, recipe: str, name: str, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
-    """``raytrain-loops train`` from the head's machine into the cluster; the run directory's URI."""
-    storage_path = cluster.s3.uri(f"runs-{name}")
-    args = [recipe, *ACROSS, f"run.name={name}", f"run.storage_path={storage_path}"]
+def _train(cluster, home: Path, recipe: str, name: str, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``raytrain-loops train`` from the head's machine into the cluster (``home``: the driver's
+    home, where its staging directories go); the run directory's URI."""
+    args = [recipe, *ACROSS, f"run.name={name}", f"run.storage_path={cluster.s3.uri(f'runs-{name}')}"]
     args += [f"data.dir={cluster.s3.uri(f'data-{name}')}", *overrides]
-    return cluster.cli("train", *args), storage.join(storage_path, name)
+    return cluster.cli("train", *args, home=home), storage.join(cluster.s3.uri(f"runs-{name}"), name)
+
+
+def _files(uri: str) -> dict[str, int]:
+    """Every object under ``uri``: path relative to it -> size."""
+    fs, root = pafs.FileSystem.from_uri(uri)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    return {i.path[len(root) + 1 :]: i.size for i in infos if i.type == pafs.FileType.File}
 
 
 def _where(run_dir: str) -> tuple[set[str], set[str]]:
-    """The nodes the final checkpoint's workers trained on, and the nodes that preprocessed rows
+    """The nodes the run's checkpoints' workers trained on, and the nodes that preprocessed rows
     for them."""
-    final = storage.join(run_dir, "checkpoint_00000016")
-    local = storage.download_dir(final, tempfile.mkdtemp(prefix="rtl-final-"))
     trained, preprocessed = set(), set()
-    for rank in (0, 1):
-        record = ckpt.read_file(local, ckpt.rank_file(rank))
-        trained.add(record["node_id"])
-        preprocessed.update(node for node, rows in record["preprocessed_on"].items() if rows > 0)
+    for name in sorted({n.split("/")[0] for n in _files(run_dir) if n.startswith("checkpoint_0")}):
+        local = storage.download_dir(storage.join(run_dir, name), tempfile.mkdtemp(prefix="rtl-ckpt-"))
+        for rank in (0, 1):
+            record = ckpt.read_file(local, ckpt.rank_file(rank))
+            trained.add(record["node_id"])
+            preprocessed.update(node for node, rows in record["preprocessed_on"].items() if rows > 0)
     return trained, preprocessed
 
 
@@ -66,9 +75,11 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     cluster.ensure_second()
     nodes = {n["node_id"] for n in cluster.nodes()}
     assert len(nodes) == 2 and not cluster.second_sees(text)
+    home = tmp_path / "home"  # the driver's staging directories, not the user's cache
 
     hf, hf_dir = _train(
         cluster,
+        home,
         "hf_lm",
         "hf",
         f"task.params.model={TINY_GPT2}",
@@ -78,10 +89,17 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
         "task.params.max_len=32",
         "data.batch_size=4",
         "precision.dtype=fp32",
+        "loop.max_steps=16",
+        "eval.every_steps=16",
+        "checkpoint.every_steps=16",
     )
     assert hf.returncode == 0, hf.stdout[-3000:] + hf.stderr[-3000:]
-    images, images_dir = _train(
-        cluster,
+    summary = json.loads(storage.read_text(storage.join(hf_dir, "summary.json")))
+    assert summary["metrics"]["step"] == 16 and "eval_bpb" in summary["metrics"], summary
+    assert _where(hf_dir) == (nodes, nodes)
+
+    # Rank 0 (it writes the run log) killed at step 6: Ray restarts the group on both nodes.
+    images = [
         "images_cls",
         "images",
         "task.params.train_images=1024",
@@ -90,14 +108,42 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
         "task.params.width=8",
         "data.batch_size=16",
         "data.eval_batch_size=64",
-    )
-    assert images.returncode == 0, images.stdout[-3000:] + images.stderr[-3000:]
+        "loop.max_steps=12",
+        "eval.every_steps=4",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep=2",
+        "checkpoint.score_metric=eval_accuracy",
+        "run.max_failures=1",
+        "fault.plan=[{step: 6, rank: 0, kind: kill}]",
+    ]
+    out, run = _train(cluster, home, *images)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(storage.read_text(storage.join(run, "summary.json")))
+    assert summary["metrics"]["step"] == 12 and "eval_accuracy" in summary["metrics"], summary
+    assert storage.name(summary["checkpoint"]) == "checkpoint_00000012"
+    data = _files(cluster.s3.uri("data-images"))
+    assert sum(n.endswith(".parquet") and "/train/" in n for n in data) >= 1  # uploaded from staging
+    assert not list(Path.cwd().glob("s3:*"))  # nothing written to a local directory named after the URI
+    files = _files(run)
+    assert "faults/0.fired" in files  # the kill happened
+    # The log is uploaded before each checkpoint is reported, and the checkpoint itself after it,
+    # in the background. The kill at step 6 nearly always comes after checkpoint 4's upload, and the
+    # second attempt continues from it; under load it can come first, and the run starts again.
+    # Either way the log holds each step once: the lines the first attempt uploaded (1-4) stay
+    # when the second resumes from checkpoint 4, and go when the run starts again.
+    restored = json.loads(storage.read_text(storage.join(run, "init.json")) or "{}").get("checkpoint")
+    assert restored is None or storage.name(restored) == "checkpoint_00000004"
+    steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert steps == list(range(1, 13))
+    best = json.loads(storage.read_text(storage.join(run, "best", "best.json")))
+    assert len(best) == 2 and all(f"best/{e['checkpoint']}/state.pt" in files for e in best)
+    # The newest and the one before (4 too, when the kill came before Ray had registered it).
+    assert {n.split("/")[0] for n in files if n.startswith("checkpoint_0")} >= {
+        "checkpoint_00000008",
+        "checkpoint_00000012",
+    }
+    assert _where(run) == (nodes, nodes)
 
-    for run_dir, metric in ((hf_dir, "eval_bpb"), (images_dir, "eval_accuracy")):
-        summary = json.loads(storage.read_text(storage.join(run_dir, "summary.json")))
-        assert summary["metrics"]["step"] == 16 and metric in summary["metrics"], summary
-        trained, preprocessed = _where(run_dir)
-        assert trained == nodes, (run_dir, trained, nodes)
-        assert preprocessed == nodes, (run_dir, preprocessed, nodes)
-    # Nothing of either run was written on the head's disk: the run directories are in the bucket.
-    assert not list(Path.cwd().glob("s3:*"))
+    again, _ = _train(cluster, home, *images)  # finished: nothing trained, nothing written
+    assert again.returncode == 0 and "already finished at step 12" in again.stdout + again.stderr, again.stderr
+    assert _files(run) == files
