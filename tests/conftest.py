@@ -22,24 +22,14 @@ def pytest_collection_modifyitems(items):
     runs the Ray tests in a process of their own, and a Ray test left among the others would start
     a second Ray instance there.
 
-    The multi-node tests (marked ``multinode``) run last, one after the other: the test bed's head,
-    second node and S3 server (the session's ``cluster``) start at the first of them and stop with
-    the session, so their processes take no CPU from the rest of the suite (on 2 cores, an idle
-    cluster alive for the whole Ray part slowed every other test). scripts/test.sh runs them in a
-    process of their own once the tests without Ray are done."""
+    The multi-node tests run last, one after the other: the test bed's head, second node and S3
+    server (the session's ``cluster``) start at the first of them and stop with the session, so
+    their processes take no CPU from the rest of the suite (on 2 cores, an idle cluster alive for
+    the whole Ray part slowed every other test)."""
     for item in items:
-        names = set(getattr(item, "fixturenames", ()))
-        if {"ray_session", "cluster"} & names:
+        if {"ray_session", "cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
-        if "cluster" in names:
-            item.add_marker(pytest.mark.multinode)
     items.sort(key=lambda item: "cluster" in getattr(item, "fixturenames", ()))  # stable: the rest keep their order
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "multinode: runs on the two-node test bed (tests/multinode.py); scripts/test.sh runs them apart"
-    )
 
 
 @pytest.fixture(scope="session")
