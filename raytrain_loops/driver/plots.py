@@ -24,6 +24,7 @@ def plot_run(run_dir: str) -> str | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter
 
     # The model's metrics before its EMA's, so each keeps its colour from panel to panel.
     names = sorted({k for r in evals for k in r if k.startswith("eval_")}, key=lambda n: (n.startswith("eval_ema_"), n))
@@ -44,6 +45,10 @@ def plot_run(run_dir: str) -> str | None:
         axes[0].plot(ends, [e["train_loss"] for e in epochs], marker="o", label="epoch average (all workers)")
         axes[0].legend(fontsize=8)
     axes[0].set(title="training loss", xlabel="step", yscale="log")
+    # Plain tick labels ("0.5", "2"): matplotlib's default on a log axis typesets each one as TeX
+    # ("$10^{-1}$"), which took a third of the figure's time.
+    axes[0].yaxis.set_major_formatter(LogFormatter())
+    axes[0].yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
     axes[1].plot(x, [r["lr"] for r in steps])
     axes[1].set(title="learning rate", xlabel="step")
     for ax, (title, group) in zip(axes[2:], panels, strict=True):
@@ -52,7 +57,8 @@ def plot_run(run_dir: str) -> str | None:
         ax.set(title=title, xlabel="step")
         if group:
             ax.legend(fontsize=8)
-    fig.tight_layout()
+    # Fixed margins: tight_layout measured every tick label's extent, the other half of the time.
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.12, top=0.92, wspace=0.22)
     out = os.path.join(run_dir, "curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
