@@ -73,7 +73,10 @@ def _assert_same(a, b, where="state"):
 def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sample_once(ray_session, tmp_path):
     """A run whose worker 1 is killed after step 15 and whose worker 0 raises after step 27 ends
     as the run without faults does, and its three attempts log to one MLflow run. Its rows are
-    preprocessed (with a random augmentation) by Ray Data tasks, not by the training workers."""
+    preprocessed (with a random augmentation) by Ray Data tasks, not by the training workers.
+
+    The run without faults then has its newest checkpoint torn and is continued: the rerun restores
+    the checkpoint before it, and a loss spike ends it with no retry and nothing written after it."""
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # Both runs track (a callback's state is in the checkpoint compared below) and evaluate. The
     # restarts resume from checkpoints 12 and 24 and replay steps 13-15 and 25-27, where the ended
@@ -83,9 +86,14 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
         "logging.every_steps=2",
         "eval.every_steps=13",
         f"logging.mlflow.tracking_uri={store}",
+        "spike.factor=20",
+        "spike.min_steps=5",
     ]
     task = "PreprocessedDigits"
-    clean = fit(resolve("default"), overrides=_overrides(tmp_path, "clean", tmp_path / "rec-clean", *common, task=task))
+    # The spike at step 40 is for the continuation of the run without faults (below).
+    spike = "fault.plan=[{step: 40, rank: 1, kind: spike}]"
+    clean_overrides = _overrides(tmp_path, "clean", tmp_path / "rec-clean", *common, spike, task=task)
+    clean = fit(resolve("default"), overrides=clean_overrides)
     plan = "fault.plan=[{step: 15, rank: 1, kind: kill}, {step: 27, rank: 0, kind: raise}]"
     faulty = fit(
         resolve("default"),
@@ -157,38 +165,37 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     assert {"summary.json", "config.yaml", "curves.png"} <= {f.path for f in client.list_artifacts(run_id)}
     assert (tmp_path / "mlartifacts" / run_id / "artifacts" / "summary.json").is_file()  # beside the database
 
+    _a_damaged_newest_checkpoint_falls_back_and_a_loss_spike_stops_without_a_retry(
+        Path(clean.run_dir), tmp_path / "rec-clean", clean_overrides
+    )
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_a_loss_spike_stops_without_a_retry(
-    ray_session, tmp_path
-):
-    """A run of 18 steps whose newest checkpoint is then torn; the rerun of 24 steps restores the
-    one before, and a loss spike at step 22 ends it: no retry, nothing written after the spike."""
-    record = tmp_path / "rec"
-    spike = ["spike.factor=20", "spike.min_steps=5", "fault.plan=[{step: 22, rank: 1, kind: spike}]"]
-    common = [*spike, "run.max_failures=3"]  # retries left: the spike must not use them
-    first = fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=18", *common))
-    run = Path(first.run_dir)
-    assert sorted(p.name for p in run.glob("checkpoint_0*")) == ["checkpoint_00000012", "checkpoint_00000018"]
-    state = run / "checkpoint_00000018" / ckpt.STATE
+
+def _a_damaged_newest_checkpoint_falls_back_and_a_loss_spike_stops_without_a_retry(
+    run: Path, record: Path, overrides: list[str]
+) -> None:
+    """The finished run of 36 steps has its newest checkpoint torn; the rerun of 42 steps restores
+    the one before, and a loss spike at step 40 ends it: no retry, nothing written after the spike."""
+    assert sorted(p.name for p in run.glob("checkpoint_0*")) == ["checkpoint_00000030", "checkpoint_00000036"]
+    state = run / "checkpoint_00000036" / ckpt.STATE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a torn write
-
+    # Retries left: the spike must not use them.
     with pytest.raises(
-        TrainingStopped, match=r"LossSpikeError at step 22: loss spike at step 22: .* is \d+\.\dx the mean"
+        TrainingStopped, match=r"LossSpikeError at step 40: loss spike at step 40: .* is \d+\.\dx the mean"
     ):
-        fit(resolve("default"), overrides=_overrides(tmp_path, "damaged", record, "loop.max_steps=24", *common))
+        fit(resolve("default"), overrides=[*overrides, "loop.max_steps=42", "run.max_failures=3"])
     restored = json.loads((run / "init.json").read_text())
-    assert restored["checkpoint"].endswith("checkpoint_00000012")
-    assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000018"]
+    assert restored["checkpoint"].endswith("checkpoint_00000030")
+    assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000036"]
     assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
-    # 13-18 redone from the intact checkpoint, in one attempt up to the spike (a retry would run
+    # 31-36 redone from the intact checkpoint, in one attempt up to the spike (a retry would run
     # steps again); the log holds them in place of the first run's.
     ran = [r["step"] for r in records(record / "ids.rank0.jsonl") if r["micro"] == 0]
-    assert ran == list(range(1, 19)) + list(range(13, 23))
-    assert _steps_in(run, "metrics.jsonl") == list(range(1, 23))
-    # The redone step 18 got a directory of its own next to the damaged one; nothing after the spike.
+    assert ran == list(range(1, 37)) + list(range(31, 41))
+    assert _steps_in(run, "metrics.jsonl") == list(range(1, 41))
+    # The redone step 36 got a directory of its own next to the damaged one; nothing after the spike.
     checkpoints = sorted(p.name for p in run.glob("checkpoint_0*"))
-    assert checkpoints == ["checkpoint_00000018", "checkpoint_00000018-2"]  # checkpoint.keep=2
-    assert ckpt.verify(run / "checkpoint_00000018-2") == 2
+    assert checkpoints == ["checkpoint_00000036", "checkpoint_00000036-2"]  # checkpoint.keep=2
+    assert ckpt.verify(run / "checkpoint_00000036-2") == 2
 
 
 def test_a_stop_decided_by_one_worker_alone_ends_every_worker_within_seconds(ray_session, tmp_path):

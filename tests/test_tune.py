@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -80,11 +81,14 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
     sweep = _sweep(
         tmp_path,
         name="asha",
-        num_samples=2,
-        space={"schedules.lr.value": {"grid": [1.0e-5, 3.0e-3]}},
+        num_samples=1,
+        # One trial at a time, the good rate first (a grid runs in its order): the good trial is
+        # the rung's first result and goes on; the poor one, compared with it at the rung, stops.
+        max_concurrent_trials=1,
+        space={"schedules.lr.value": {"grid": [3.0e-3, 1.0e-5]}},
         # The first rung at step 30: before it, evaluation in eval mode is at chance for both rates on
-        # one worker (0.10-0.11 at steps 10 and 20, BatchNorm's running statistics still settling),
-        # and which trial ASHA stops there is a coin toss; at 30, 0.44 against 0.10.
+        # one worker (0.10-0.11 at steps 10 and 20, BatchNorm's running statistics still settling);
+        # at 30, 0.44 against 0.10.
         scheduler={"name": "asha", "grace_period": 30, "reduction_factor": 2},
     )
     store = tmp_path / "mlruns"  # an MLflow directory store
@@ -92,10 +96,11 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
     result = tune(resolve("default"), sweep, overrides=overrides)
 
     table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
-    assert len(table) == 4 and (table["error"].isna()).all(), table
-    assert sorted(table["trial"]) == ["trial_00000", "trial_00001", "trial_00002", "trial_00003"]
-    # ASHA stopped at least one trial at its rung (step 30); the best ran to the end.
-    assert (table["steps"] < 60).any() and (table["steps"] == 60).any(), table
+    assert len(table) == 2 and (table["error"].isna()).all(), table
+    assert sorted(table["trial"]) == ["trial_00000", "trial_00001"]
+    # ASHA stopped the poor trial at its rung (step 30); the best ran to the end.
+    steps = dict(zip(table["schedules.lr.value"], table["steps"], strict=True))
+    assert steps[1.0e-5] < 60 and steps[3.0e-3] == 60, table
     best = table.loc[table["eval_accuracy"].idxmax()]
     assert best["schedules.lr.value"] == 3.0e-3 and best["steps"] == 60
     assert result.best_values == {"schedules.lr.value": 3.0e-3}
@@ -157,9 +162,10 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
 
 
 @pytest.mark.ray
-def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
+def test_an_interrupted_optuna_sweep_resumes_when_run_again(ray_session, tmp_path):
     """`raytrain-loops tune` with Optuna's TPE, stopped by Ctrl-C mid-sweep; the same command
-    finishes it without rerunning the trial that had finished."""
+    finishes it without rerunning the trial that had finished. Both commands join the session's
+    Ray (``RAY_ADDRESS``, as on a cluster): the trials of the interrupted one end with its job."""
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -178,7 +184,8 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
         f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),
     ]  # fmt: skip
     trials = tmp_path / "sweeps" / "resumable" / "trials"
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 240
     # Interrupt once the first trial has written its final checkpoint and the second has started.
     while not ((trials / "trial_00000" / "checkpoint_00000020").exists() and (trials / "trial_00001").exists()):
@@ -187,7 +194,7 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(tmp_path):
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=120)
 
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming the sweep" in second.stdout
     sweep_dir = tmp_path / "sweeps" / "resumable"
