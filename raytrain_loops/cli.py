@@ -154,8 +154,9 @@ def _failed(command: str, err: Exception, local: bool = False) -> int:
 VERBS = {"recipes": _recipes, "export": _export, "submit": _submit, "train": _train_or_tune, "tune": _train_or_tune}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as the verbs get it: overrides wherever they stand among the flags, and the
+    flags that are overrides (``--verbose``, ``--local``) added to them. Exits 2 on a bad line."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)  # overrides after an option (train --local a=1) come back here
     if rest and (not hasattr(args, "overrides") or any(r.startswith("-") for r in rest)):
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, "logging.verbose=true"]
     if getattr(args, "local", False):
         args.overrides = [*args.overrides, "scaling.num_workers=0"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
     return VERBS[args.command](args, argv)
 
 

@@ -88,3 +88,16 @@ def test_bad_recipe_files_are_named(tmp_path):
     nested.write_text("optim:\n  name: lamb\n")
     with pytest.raises(ConfigError, match=r"optim.name: must be one of 'adamw', 'adam', 'sgd'; got 'lamb'"):
         load_config(nested)
+
+
+def test_a_task_argument_that_a_recipe_gives_as_a_mapping_takes_a_path_on_the_command_line():
+    """hf_lm's ``model`` is an inline config in the recipe and a model directory when fine-tuning
+    (the README's command); a section of the config itself still refuses a bare value."""
+    from raytrain_loops.recipes import resolve
+
+    config = load_config(resolve("hf_lm"), ["task.params.model=my_model", "task.params.tokenizer=my_model"])
+    assert config.task.params["model"] == "my_model" and config.task.params["tokenizer"] == "my_model"
+    nested = load_config(resolve("hf_lm"), ["task.params.model.n_layer=1"])
+    assert nested.task.params["model"]["n_layer"] == 1 and nested.task.params["model"]["model_type"] == "gpt2"
+    with pytest.raises(ConfigError, match="is a section"):
+        load_config(resolve("hf_lm"), ["precision=fp32"])

@@ -274,7 +274,10 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(".".join(parts[: i + 1]), f"is a value ({child!r}), not a section; cannot set {key}")
         node = child
     leaf = parts[-1]
-    if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+    # A task's keyword arguments are the task's to type: hf_lm's ``model`` is a directory or an
+    # inline config, so a recipe's mapping there may give way to a path.
+    task_argument = parts[:2] == ["task", "params"] and len(parts) == 3
+    if isinstance(node.get(leaf), dict) and not isinstance(value, dict) and not task_argument:
         example = "value" if "value" in node[leaf] else next(iter(node[leaf]), "name")
         raise ConfigError(key, f"is a section; set one of its keys, for example {key}.{example}=...")
     node[leaf] = value
