@@ -7,6 +7,8 @@ one MLflow run is in test_faults.py (its runs serve both)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -217,3 +219,17 @@ def test_the_stores_run_id_is_recorded_and_a_missing_run_is_replaced(tmp_path):
     # Artifacts beside the database, not in the current directory of the process that created it.
     assert client.get_experiment(tracking.experiment_id).artifact_location == f"file://{tmp_path}/mlartifacts"
     assert isinstance(run, TrackedRun) and run.tracking_uri == store
+
+
+def test_a_new_sql_store_is_opened_without_mlflows_table_messages(tmp_path):
+    """MLflow announces a new SQL store's tables at INFO on stderr; a run's console does not show them."""
+    code = (
+        "from raytrain_loops.config import load_config; from raytrain_loops.recipes import resolve; "
+        "from raytrain_loops.driver.tracking import open_tracking; "
+        f"open_tracking(load_config(resolve('default'), ['logging.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db'])"
+        ".logging.mlflow); print('opened')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "opened", out.stderr[-2000:]
+    assert "database tables" not in out.stderr and "alembic" not in out.stderr, out.stderr
+    assert (tmp_path / "m.db").is_file()

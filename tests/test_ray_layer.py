@@ -144,7 +144,7 @@ def test_invalid_config_fails_before_ray_starts_naming_the_key():
     assert "precision.dtype: must be one of 'fp32', 'bf16', 'fp16', 'auto'; got 'fp8'" in out.stderr
     assert "Ray" not in out.stderr + out.stdout and time.perf_counter() - start < 30
     unknown = _cli("train", "default", "optim.lr=0.1")
-    assert unknown.returncode == 2 and "optim.lr: unknown key" in unknown.stderr
+    assert unknown.returncode == 2 and "optim.lr: unknown key; for optim.lr use schedules.lr.value" in unknown.stderr
     missing = _cli("train", "no_such_recipe")
     assert missing.returncode == 2 and "no_such_recipe: not a built-in recipe (" in missing.stderr
     assert "default" in missing.stderr.split("not a built-in recipe (")[1]

@@ -178,10 +178,9 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
 
     result = fit(config, task=SpiralTask())
     assert result.metrics == summary["metrics"] and result.checkpoint == summary["checkpoint"]
-    assert (
-        result.wall_time == 12.5
-        and "already finished at step 16: done=1, eval_accuracy=0.75" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert result.wall_time == 12.5 and f"already finished at step 16: eval_accuracy=0.75 (every metric: {run}/summary.json)" in out
+    assert "done=" not in out and "To train anew, give it another run.name; to train it further, raise loop.max_steps" in out
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
     # The same run at another scale (local mode plans 32 steps for the epoch) is finished too.
     local = fit(_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())

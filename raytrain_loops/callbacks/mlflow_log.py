@@ -12,6 +12,7 @@ them too.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -65,6 +66,10 @@ def client(uri: str):
         # A directory is what the user asked for: MLflow keeps this store in maintenance mode
         # and refuses it unless told otherwise.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    # A new SQL store announces its tables at INFO on the console ("Creating initial MLflow database
+    # tables...", "Updating database tables"): set-up of the store, not news about the run.
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 

@@ -191,6 +191,49 @@ def _to_str(value: Any, key: str) -> str:
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
+# The keys users bring from other trainers (Lightning's Trainer, Hugging Face's TrainingArguments,
+# torch.optim's arguments), as they type them against a recipe: where each lives here.
+FAMILIAR_KEYS = {
+    "optim.lr": "schedules.lr.value (the learning rate is a schedule: schedules.lr.kind, .warmup_steps, .end)",
+    "optim.learning_rate": "schedules.lr.value",
+    "lr": "schedules.lr.value",
+    "learning_rate": "schedules.lr.value",
+    "optim.weight_decay": "schedules.weight_decay.value (a schedule, as the learning rate)",
+    "weight_decay": "schedules.weight_decay.value",
+    "trainer.max_epochs": "loop.epochs",
+    "max_epochs": "loop.epochs",
+    "epochs": "loop.epochs",
+    "num_train_epochs": "loop.epochs",
+    "trainer.max_steps": "loop.max_steps",
+    "max_steps": "loop.max_steps",
+    "seed": "loop.seed",
+    "batch_size": "data.batch_size (per worker)",
+    "per_device_train_batch_size": "data.batch_size (per worker)",
+    "trainer.accumulate_grad_batches": "accum.steps",
+    "gradient_accumulation_steps": "accum.steps",
+    "trainer.gradient_clip_val": "clip.max_norm (with clip.mode=global)",
+    "max_grad_norm": "clip.max_norm (with clip.mode=global)",
+    "trainer.precision": "precision.dtype",
+    "trainer.devices": "scaling.num_workers",
+    "warmup_steps": "schedules.lr.warmup_steps",
+}
+
+
+def _unknown(key: str, full: str, value: Any, fields: dict[str, Any]) -> str:
+    """Why ``full`` is refused: where a familiar key lives here, or the closest key; then the
+    section's keys."""
+    tried = [full, *(f"{full}.{k}" for k in value)] if isinstance(value, dict) else [full]
+    familiar = next(((t, FAMILIAR_KEYS[t]) for t in tried if t in FAMILIAR_KEYS), None)
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    if familiar:
+        hint = f"; for {familiar[0]} use {familiar[1]}."
+    elif close:
+        hint = f"; did you mean '{close[0]}'?"
+    else:
+        hint = "."
+    return f"unknown key{hint} Known keys here: {', '.join(sorted(fields))}."
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     """Build config class ``cls`` from a plain dict; unknown keys and bad values raise ConfigError.
 
@@ -207,9 +250,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         key = str(raw_key)
         full = f"{prefix}.{key}" if prefix else key
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(full, f"unknown key{hint} Known keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(full, _unknown(key, full, value, fields))
         tp = hints[key]
         if get_origin(tp) is dict and isinstance(value, dict):
             f = fields[key]

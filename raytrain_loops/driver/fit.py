@@ -156,8 +156,14 @@ def _precision(run_dir: str) -> str | None:
 def _finished_result(run_dir: str, done: Finished) -> FitResult:
     """What a rerun of a finished run returns: its summary, unchanged, and nothing trained."""
     metrics = done.summary.get("metrics", {})
-    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, int | float))
-    print(f"the run already finished at step {metrics.get('step')}: {shown}", flush=True)
+    evals = {k: v for k, v in sorted(metrics.items()) if k.startswith("eval_") and isinstance(v, int | float)}
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in evals.items())
+    print(
+        f"the run already finished at step {metrics.get('step')}{': ' + shown if shown else ''} (every metric: "
+        f"{storage.join(run_dir, 'summary.json')}); nothing trained. To train anew, give it another run.name; "
+        "to train it further, raise loop.max_steps or loop.epochs",
+        flush=True,
+    )
     wall = float(done.summary.get("wall_time_s", 0.0))
     return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
 
