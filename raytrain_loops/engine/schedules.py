@@ -56,6 +56,7 @@ def _warmup(s: Schedule, t: float, w: float) -> float:
 
 
 def _dino(s: Schedule, t: int, n: int) -> float:
+    """DINO's ``cosine_scheduler`` at global iteration ``t`` of ``n``."""
     w = s.warmup_steps
     if t < w:  # numpy.linspace(start, value, w): w points, the last one the peak
         return s.warmup_start if w == 1 else _warmup(s, t, w - 1)
@@ -63,12 +64,14 @@ def _dino(s: Schedule, t: int, n: int) -> float:
 
 
 def _cvnets(s: Schedule, t: int, n: int) -> float:
+    """ml-cvnets' iteration-based ``CosineScheduler`` at ``t``, ``max_iterations = n``."""
     w = s.warmup_steps
     value = _warmup(s, t, w) if t < w else _cosine(s, (t - w) / (n - w + 1))
     return max(0.0, value)
 
 
 def _seamseg(s: Schedule, t: int, n: int) -> float:
+    """seamseg's poly under ``BurnInLR``, stepped with the global step after its increment."""
     g = t + 1  # seamseg counts global_step += 1 before scheduler.step(global_step)
     if g <= s.warmup_steps:
         return _warmup(s, g, s.warmup_steps)
@@ -77,6 +80,7 @@ def _seamseg(s: Schedule, t: int, n: int) -> float:
 
 
 def _hf(s: Schedule, t: int, n: int) -> float:
+    """Hugging Face's ``get_cosine_schedule_with_warmup`` (and fairseq's ``cosine``) at ``t`` of ``n``."""
     w = s.warmup_steps
     return _warmup(s, t, w) if t < w else _cosine(s, (t - w) / max(n - w, 1))
 
