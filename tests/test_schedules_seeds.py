@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raytrain_loops.config import load_config
 from raytrain_loops.config.base import ConfigError
 from raytrain_loops.config.engine import Schedule
 from raytrain_loops.engine import schedule_value
+from raytrain_loops.recipes import resolve
 
 N, W = 20, 5
 EDGES = (0, W - 1, W, N - 1)
@@ -95,3 +97,11 @@ def test_a_convention_with_the_wrong_shape_names_the_key(fields, message):
     with pytest.raises(ConfigError, match="convention") as err:
         Schedule(**fields)
     assert message in str(err.value)
+
+
+def test_each_seed_recipe_schedules_as_its_seed():
+    seeds = {"dino": "dino", "cvnets_cls": "cvnets", "seamseg": "seamseg", "lm": "fairseq"}
+    for recipe, convention in seeds.items():
+        assert load_config(resolve(recipe), []).schedules["lr"].convention == convention, recipe
+    dino = load_config(resolve("dino"), []).schedules
+    assert dino["weight_decay"].convention == dino["ema_momentum"].convention == "dino"
