@@ -53,13 +53,10 @@ class Schedule:
     gamma: float = opt(0.1, "Factor applied at each milestone for kind=step.")
     convention: Literal["engine", "dino", "cvnets", "seamseg", "hf", "fairseq"] = opt(
         "engine",
-        "Whose indexing of warm-up and decay (per=step only). engine: warm-up t/W, decay over (t-W)/(n-W-1), "
-        "reaching end at the last step. dino (kind=cosine): DINO's cosine_scheduler, warm-up a linspace that "
-        "reaches value at W-1, cosine over (t-W)/(n-W). cvnets (kind=cosine): ml-cvnets' CosineScheduler, "
-        "period n-W+1, indexed by update (cvnets counts micro-batches). seamseg (kind=poly): BurnInLR at the "
-        "1-based step g=t+1, value*(1-(g-1)/n)**power after burn-in. hf / fairseq (kind=cosine): "
-        "get_cosine_schedule_with_warmup / fairseq's cosine, warm-up t/W, cosine over (t-W)/(n-W). "
-        "Past the run's last step the value holds.",
+        "Whose indexing of warm-up and decay (per=step only). engine: warm-up t/W, then decay reaching end at "
+        "the last step. dino, cvnets, hf, fairseq (kind=cosine) and seamseg (kind=poly): the value at every "
+        "update of DINO's cosine_scheduler, ml-cvnets' CosineScheduler, Hugging Face's "
+        "get_cosine_schedule_with_warmup, fairseq's cosine, seamseg's poly under BurnInLR (docs/seeds.md).",
     )
 
     def __post_init__(self) -> None:
