@@ -152,7 +152,8 @@ def test_dino_teacher_follows_its_momentum_schedule_sees_global_views_only_and_l
         for name, p in _params(model).items():
             torch.testing.assert_close(_params(teacher)[name], m * before[name] + (1 - m) * p, msg=name)
         momenta.append(m)
-    assert momenta[0] == pytest.approx(0.996) and momenta[-1] == 1.0 and momenta == sorted(momenta)
+    # DINO's cosine_scheduler(0.996, 1.0, epochs=4, niter_per_ep=1), run once: it never reaches 1
+    assert momenta == pytest.approx([0.996, 0.9965857864376269, 0.998, 0.9994142135623731], rel=1e-12)
     assert shapes["teacher"] == [(32, 1, 8, 8)] * total
     assert shapes["student"] == [(32, 1, 8, 8), (48, 1, 5, 5)] * total
     assert torch.equal(model.head.last_layer.weight, last_layer), "the last layer moved in epoch 0"

@@ -51,9 +51,17 @@ class Schedule:
     warmup_start: float = opt(0.0, "Value at step 0 (epoch 0 with per=epoch) when warmup_steps > 0.")
     milestones: list[int] = opt([], "Steps (epochs with per=epoch) at which kind=step multiplies the value by gamma.")
     gamma: float = opt(0.1, "Factor applied at each milestone for kind=step.")
+    convention: Literal["engine", "dino", "cvnets", "seamseg", "hf", "fairseq"] = opt(
+        "engine",
+        "Whose indexing of warm-up and decay (per=step only). engine: warm-up t/W, then decay reaching end at "
+        "the last step. dino, cvnets, hf, fairseq (kind=cosine) and seamseg (kind=poly): the value at every "
+        "update of DINO's cosine_scheduler, ml-cvnets' CosineScheduler, Hugging Face's "
+        "get_cosine_schedule_with_warmup, fairseq's cosine, seamseg's poly under BurnInLR (docs/seeds.md).",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 0, "warmup_steps")
+        _check_convention(self)
         unit = "epochs" if self.per == "epoch" else "steps"
         if self.kind == "step" and sorted(self.milestones) != list(self.milestones):
             raise ConfigError("milestones", f"must be increasing; got {self.milestones}")
@@ -65,6 +73,22 @@ class Schedule:
     @classmethod
     def from_scalar(cls, value: float) -> Schedule:
         return cls(value=value)
+
+
+_CONVENTION_KIND = {"dino": "cosine", "cvnets": "cosine", "hf": "cosine", "fairseq": "cosine", "seamseg": "poly"}
+
+
+def _check_convention(s: Schedule) -> None:
+    """A reference convention defines one shape, per optimizer step: refuse any other pairing."""
+    if s.convention == "engine":
+        return
+    kind = _CONVENTION_KIND.get(s.convention)
+    if kind is None:
+        raise ConfigError("convention", f"must be engine, {', '.join(_CONVENTION_KIND)}; got {s.convention!r}")
+    if s.kind != kind:
+        raise ConfigError("convention", f"{s.convention} defines kind={kind} only; got kind={s.kind}")
+    if s.per != "step":
+        raise ConfigError("convention", f"{s.convention} is a function of the optimizer step: needs per=step")
 
 
 def default_schedules() -> dict[str, Schedule]:
