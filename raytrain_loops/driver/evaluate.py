@@ -108,27 +108,32 @@ def evaluate_checkpoint(checkpoint: str, overrides: list[str] | None = None) -> 
 
 
 def _on_ray(payload: WorkerPayload) -> dict[str, Any]:
-    """One evaluation by a Ray Train group of the run's scaling; its files in a scratch directory
-    (the run's directory is only read)."""
+    """One evaluation by a Ray Train group of the run's scaling; Ray Train's own files in a scratch
+    directory (the run's directory is only read), the metrics through a :class:`MetricsBox`."""
+    import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_loops.driver.ray_start import ensure_ray
     from raytrain_loops.driver.trainer import place_parquet, scaling_config
-    from raytrain_loops.worker.evaluate import evaluate_per_worker
+    from raytrain_loops.worker.evaluate import MetricsBox, evaluate_per_worker
 
     config = payload.config
     s = config.scaling
     ensure_ray(config, s.num_workers * s.cpus_per_worker + config.data.preprocess.num_cpus)
     place_parquet(payload.splits, config)
+    box = MetricsBox.remote()
     with tempfile.TemporaryDirectory(prefix="raytrain-evaluate-") as scratch:
         trainer = TorchTrainer(
-            functools.partial(evaluate_per_worker, payload),
+            functools.partial(evaluate_per_worker, payload, box),
             torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
             scaling_config=scaling_config(config),
             run_config=ray.train.RunConfig(
                 name="evaluate", storage_path=scratch, failure_config=ray.train.FailureConfig(max_failures=0)
             ),
         )
-        result = trainer.fit()
-    return dict(result.metrics or {})
+        trainer.fit()
+    metrics = ray.get(box.get.remote(), timeout=60)
+    if not metrics:
+        raise RuntimeError(f"the evaluation of {payload.init_checkpoint} ended without metrics")
+    return metrics
