@@ -129,11 +129,24 @@ def _train_then_evaluate_the_checkpoint(rank: int, world: int, mode: str):
     }
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "average"])
-def test_every_worker_evaluates_with_the_checkpoints_buffers_and_a_loaded_checkpoint_evaluates_alike(mode):
-    outcomes = run_gloo(2, _train_then_evaluate_the_checkpoint, mode)
+MODES = ("broadcast", "average")
+
+
+def _both_modes(rank: int, world: int):
+    return {mode: _train_then_evaluate_the_checkpoint(rank, world, mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both modes in one group of 2 (one start of the processes)."""
+    outcomes = run_gloo(2, _both_modes)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
-    r0, r1 = (o.value for o in outcomes)
+    return [o.value for o in outcomes]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_worker_evaluates_with_the_checkpoints_buffers_and_a_loaded_checkpoint_evaluates_alike(runs, mode):
+    r0, r1 = runs[0][mode], runs[1][mode]
     for i in (0, 1):  # model, EMA: the workers' own statistics after step 2 differ (the test can fail)
         assert not torch.allclose(r0["after"][2][i], r1["after"][2][i])
     # A checkpoint without an evaluation (step 1): every worker holds rank 0's after it.
