@@ -33,6 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="the file to write, e.g. state.pt (--format hf: a directory)")
     export.add_argument("--format", choices=["state", "hf"], default="state", help="state.pt, or hf")
     export.add_argument("--ema", action="store_true", help="--format hf: the EMA's weights")
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="evaluate a checkpoint on its run's eval split with its run's config (config.yaml beside it), "
+        "model and EMA, on Ray (the run's scaling) or --local",
+    )
+    evaluate.add_argument("checkpoint", help="a run's checkpoint directory (runs/<run>/checkpoint_<step>)")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the run's config")
+    evaluate.add_argument("--local", action="store_true", help="in this process, without Ray (scaling.num_workers=0)")
+    evaluate.add_argument("--out", default=None, metavar="FILE", help="also write the metrics as one JSON object")
     submit = sub.add_parser("submit", help="train a recipe on a Ray cluster through the Ray Jobs API")
     submit.add_argument("recipe", help="built-in recipe name or YAML path (inside --working-dir)")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -80,6 +89,31 @@ def _export(args: argparse.Namespace, argv: list[str]) -> int:
         return _error(f"cannot export {args.checkpoint}: {err}")
     step = written["counters"].get("step", "?")
     print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, argv: list[str]) -> int:
+    """``evaluate``: the metrics printed (and written to ``--out``); a path that is not a run's
+    intact checkpoint, or a bad override, is exit code 2 naming it."""
+    import json
+
+    from raytrain_loops.config import ConfigError
+    from raytrain_loops.driver.evaluate import EvaluateError, evaluate_checkpoint
+    from raytrain_loops.driver.preflight import DataError
+    from raytrain_loops.engine.checkpoint import CheckpointError
+
+    try:
+        metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
+    except (EvaluateError, ConfigError, DataError, CheckpointError) as err:
+        return _error(f"cannot evaluate {args.checkpoint}: {err}")
+    except Exception as err:  # a failed evaluation: the worker's traceback and its root cause
+        return _failed("evaluate", err, local="scaling.num_workers=0" in args.overrides)
+    shown = ", ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()) if k.startswith("eval_"))
+    print(f"checkpoint {args.checkpoint} (step {metrics.get('step')}): {shown}")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"checkpoint": args.checkpoint, **metrics}) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -151,7 +185,14 @@ def _failed(command: str, err: Exception, local: bool = False) -> int:
     return 1
 
 
-VERBS = {"recipes": _recipes, "export": _export, "submit": _submit, "train": _train_or_tune, "tune": _train_or_tune}
+VERBS = {
+    "recipes": _recipes,
+    "export": _export,
+    "evaluate": _evaluate,
+    "submit": _submit,
+    "train": _train_or_tune,
+    "tune": _train_or_tune,
+}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -143,6 +143,9 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
         r["loss"] for r in records(Path(clean.run_dir) / "metrics.jsonl")
     ]
     assert _steps_in(run_dir, "eval.jsonl") == [13, 26, 36]  # steps 13 and 26 evaluated by two attempts each
+    # The resumed groups' evaluations are the uninterrupted run's, figure for figure (every worker
+    # evaluates with rank 0's BatchNorm statistics, which a checkpoint holds).
+    assert records(run_dir / "eval.jsonl") == records(Path(clean.run_dir) / "eval.jsonl")
     assert _steps_in(run_dir, "epochs.jsonl") == [10, 20, 30]
     scalars = tb_scalars(run_dir / "tb")
     assert [s for s, _ in scalars["train/loss"]] == list(range(2, 37, 2))

@@ -70,6 +70,17 @@ def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoin
     assert f"checkpoint at step 126: {run / 'checkpoint_00000126'}" in out.stdout
     assert f"run directory: {run}" in out.stdout
 
+    # ``evaluate --local`` of checkpoint 84 (one worker) gives the run's evaluation at step 84.
+    result = tmp_path / "eval84.json"
+    out = _cli("evaluate", str(run / "checkpoint_00000084"), "--local", "--out", str(result))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RAY_MODULES []" in out.stdout and f"checkpoint {run / 'checkpoint_00000084'} (step 84): " in out.stdout
+    again = json.loads(result.read_text())
+    at_84 = next(e for e in evals if e["step"] == 84)
+    names = {k for k in at_84 if k.startswith("eval_")}
+    assert {"eval_loss", "eval_accuracy", "eval_ema_loss", "eval_ema_accuracy"} <= names
+    assert {k: again[k] for k in names} == {k: at_84[k] for k in names} and again["step"] == 84
+
 
 class BrokenCriterion(DigitsTask):
     """Digits whose criterion fails as a shape error in a user's task would."""

@@ -89,6 +89,16 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # ``evaluate`` of checkpoint 42 on 2 Ray workers, as a group resumed there would: the run's
+    # evaluation at step 42, figure for figure (every worker evaluated with rank 0's BatchNorm
+    # statistics, which the checkpoint holds).
+    out = _cli("evaluate", str(run_dir / "checkpoint_00000042"), "--out", str(tmp_path / "eval42.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = json.loads((tmp_path / "eval42.json").read_text())
+    names = {k for k in evals[1] if k.startswith("eval_")}
+    assert {"eval_loss", "eval_accuracy", "eval_ema_loss", "eval_ema_accuracy"} <= names
+    assert {k: again[k] for k in names} == {k: evals[1][k] for k in names} and again["step"] == 42
+
 
 def _assert_a_clean_console(console: str, run_dir: Path) -> None:
     """The console holds this project's lines; Ray's output (every report, the controller's and

@@ -118,6 +118,12 @@ class EvalConfig:
 
     every_steps: int = opt(0, "Evaluate every this many steps; 0: at the end of every epoch. Always at the end.")
     ema: bool = opt(True, "Also evaluate the EMA weights (metrics prefixed ema_) when ema.enabled.")
+    bn_buffers: Literal["broadcast", "average"] = opt(
+        "broadcast",
+        "Before every evaluation the workers' buffers (BatchNorm statistics), the model's and the EMA's, are made "
+        "the same: rank 0's (broadcast, what a checkpoint saves), or average: the mean of the running statistics "
+        "over workers (timm's distribute_bn), a deviation from the seeds that changes the trajectory.",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 0, "every_steps")

@@ -27,7 +27,7 @@ from raytrain_loops.config.engine import AccumConfig
 from raytrain_loops.config.run import Config
 from raytrain_loops.engine.api import StepResult
 from raytrain_loops.engine.devices import to_device
-from raytrain_loops.engine.distributed import sharding
+from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
 from raytrain_loops.engine.precision import autocast
@@ -42,6 +42,7 @@ __all__ = [
     "Reporter",
     "accum_steps",
     "evaluate",
+    "sync_buffers",
     "timed_groups",
 ]
 
@@ -156,6 +157,7 @@ class LoopSettings:
     checkpoint_every: int = 0  # 0: at the end of every epoch
     report_every: int = 50
     log_every: int = 10
+    bn_buffers: str = "broadcast"  # how evaluations make the workers' buffers the same (eval.bn_buffers)
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
@@ -166,6 +168,7 @@ class LoopSettings:
             checkpoint_every=config.checkpoint.every_steps,
             report_every=config.run.report_every_steps,
             log_every=config.logging.every_steps,
+            bn_buffers=config.eval.bn_buffers,
         )
 
 
@@ -188,6 +191,17 @@ def timed_groups(batches: Iterable[Any], k: int) -> Iterator[tuple[list[Any], fl
         yield group, time.perf_counter() - start
         if len(group) < k:
             return
+
+
+def sync_buffers(engine: Engine, mode: str = "broadcast") -> None:
+    """Every worker's buffers of the model and the EMA made the same (rank 0's, or ``average``:
+    the running statistics' mean): each worker's BatchNorm statistics follow its own batches,
+    while a checkpoint saves rank 0's and a group resumed from it starts from them. Done before
+    every evaluation and every checkpoint, an evaluation at step N uses, on every worker, the
+    buffers a checkpoint at N holds. Training steps are unchanged: DDP broadcasts rank 0's
+    buffers at each step's first forward."""
+    modules = [engine.module] + ([engine.ema.module] if engine.ema is not None else [])
+    collectives.sync_buffers(modules, mode)
 
 
 def evaluate(
@@ -371,7 +385,10 @@ class Loop:
 
     def _report(self, position: Position, *, evaluate_now: bool, checkpoint_now: bool, done: bool = False) -> None:
         engine = self.engine
-        if evaluate_now and self.source.has_eval:
+        evaluating = evaluate_now and self.source.has_eval
+        if evaluating or checkpoint_now:  # a checkpoint without an evaluation holds rank 0's
+            sync_buffers(engine, self.settings.bn_buffers if evaluating else "broadcast")
+        if evaluating:
             eval_batches = self.source.batches("eval", engine.epoch)
             try:
                 self.last_eval.update(

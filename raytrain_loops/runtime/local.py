@@ -32,6 +32,7 @@ from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.best import BestCheckpoints
+from raytrain_loops.runtime.evaluation import evaluate_checkpoint
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
@@ -129,6 +130,16 @@ def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
             return _run(payload, device, sender)
         finally:
             display.close()
+
+
+def evaluate_local(payload: WorkerPayload) -> dict[str, Any]:
+    """``raytrain-loops evaluate --local``: ``payload.init_checkpoint`` evaluated in this process as
+    the only worker (:func:`~raytrain_loops.runtime.evaluation.evaluate_checkpoint`), with a local
+    run's model preparation and batches."""
+    device = local_device(payload.config)
+    with _callers_state():
+        batches = functools.partial(_batches, device=device)
+        return evaluate_checkpoint(payload, 0, 1, device, prepare_model=_prepare_model, batches=batches)
 
 
 def _run(payload: WorkerPayload, device: torch.device, sender: Sender) -> tuple[dict[str, Any], str | None]:

@@ -39,7 +39,7 @@ class _StoppedEarlier(Exception):
         self.stopped = stopped
 
 
-def _prepare_model(
+def prepare_model(
     module: torch.nn.Module, task: Task, config: Config
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """Checkpointing and compilation of the task's blocks, then DDP (Ray's ``prepare_model``) or
@@ -111,7 +111,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
             world,
             ray.train.torch.get_device(),
             sender,
-            prepare_model=_prepare_model,
+            prepare_model=prepare_model,
             batches=ray_batches,
             reporter=functools.partial(RayReporter, rank=rank, world=world, run_dir=payload.run_dir),
             before_data=functools.partial(_check_stops, payload),
