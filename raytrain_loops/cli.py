@@ -66,7 +66,7 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
     from raytrain_loops.config import ConfigError
-    from raytrain_loops.engine.checkpoint import CheckpointError, export
+    from raytrain_loops.engine.checkpoint.files import CheckpointError, export
 
     try:
         if args.format == "hf":
@@ -140,7 +140,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _failed(command: str, err: Exception, local: bool = False) -> int:
-    from raytrain_loops.driver.errors import root_cause, worker_traceback
+    from raytrain_loops.errors import root_cause, worker_traceback
 
     trace = worker_traceback(err)
     if local:  # raised in this process: its own traceback, the task's frame last

@@ -16,7 +16,7 @@ RAY_FREE = [
     "raytrain_loops.storage",
     "raytrain_loops.console.display",
     "raytrain_loops.console.feed",
-    "raytrain_loops.data.source",
+    "raytrain_loops.runtime.batches",
     *(f"raytrain_loops.runtime.{m.name}" for m in pkgutil.iter_modules([str(Path(raytrain_loops.__file__).parent / "runtime")])),
     *(f"raytrain_loops.callbacks.{m.name}" for m in pkgutil.iter_modules([str(Path(raytrain_loops.__file__).parent / "callbacks")])),
 ]

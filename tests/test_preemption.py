@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_loops.callbacks.preemption import COST, Notice, PreemptionCheck, cadence
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.guards import GroupBrokenError
+from raytrain_loops.engine.update.guards import GroupBrokenError
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.test_loop import CADENCE, _loop

@@ -30,8 +30,8 @@ from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
-from raytrain_loops.engine.precision import autocast
-from raytrain_loops.engine.step import Engine
+from raytrain_loops.engine.update.precision import autocast
+from raytrain_loops.engine.update.step import Engine
 
 __all__ = [
     "BatchSource",

@@ -25,7 +25,7 @@ from raytrain_loops import storage
 from raytrain_loops.console.capture import Console
 from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.preflight import planned_steps, prepare
-from raytrain_loops.driver.stops import StopBoard, fit_or_stop
+from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
 from raytrain_loops.sweeps.results import SweepResult, write_outputs
 from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked

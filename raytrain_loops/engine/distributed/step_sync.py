@@ -18,11 +18,11 @@ from torch import nn
 
 from raytrain_loops.engine.api import StepContext
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.guards import GradSyncError, GroupBrokenError, TrainingError
-from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.update.guards import GradSyncError, GroupBrokenError, TrainingError
+from raytrain_loops.engine.update.precision import autocast
 
 if TYPE_CHECKING:
-    from raytrain_loops.engine.step import Engine, LocalSums
+    from raytrain_loops.engine.update.step import Engine, LocalSums
 
 __all__ = ["check_grad_sync", "join_with_dummy", "recover_from_oom", "require_group", "sync", "wrapping"]
 
