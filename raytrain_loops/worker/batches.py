@@ -14,8 +14,8 @@ import ray.train.torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data.parquet import close
 from raytrain_loops.runtime.batches import Batches, Plan, read_and_preprocess
+from raytrain_loops.streams import close
 from raytrain_loops.tasks import Task
 
 
