@@ -115,7 +115,7 @@ def require_group(engine: Engine) -> None:
     collectives are no-ops that leave this worker's own values (a gradient norm of 0 for every
     other worker, a loss of this worker's batches alone). Judged as they are, those would be a
     training stop (``GradSyncError``, a non-finite loss) where Ray retries a group failure."""
-    if engine.world_size > 1 and collectives.world_size() != engine.world_size:
+    if collectives.torn_down(engine.world_size):
         raise GroupBrokenError(
             f"the process group of {engine.world_size} workers was destroyed during step {engine.step + 1} "
             "(the group is being torn down); the step's collectives did not reach the other workers"
