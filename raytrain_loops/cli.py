@@ -75,7 +75,7 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
     from raytrain_loops.config import ConfigError
-    from raytrain_loops.engine.checkpoint import CheckpointError, export
+    from raytrain_loops.engine.checkpoint.files import CheckpointError, export
 
     try:
         if args.format == "hf":
@@ -100,7 +100,7 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> int:
     from raytrain_loops.config import ConfigError
     from raytrain_loops.driver.evaluate import EvaluateError, evaluate_checkpoint
     from raytrain_loops.driver.preflight import DataError
-    from raytrain_loops.engine.checkpoint import CheckpointError
+    from raytrain_loops.engine.checkpoint.files import CheckpointError
 
     try:
         metrics = evaluate_checkpoint(args.checkpoint, args.overrides)
@@ -174,7 +174,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _failed(command: str, err: Exception, local: bool = False) -> int:
-    from raytrain_loops.driver.errors import root_cause, worker_traceback
+    from raytrain_loops.errors import root_cause, worker_traceback
 
     trace = worker_traceback(err)
     if local:  # raised in this process: its own traceback, the task's frame last

@@ -45,8 +45,9 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config import load_config
-from raytrain_loops.engine import Engine, precision
-from raytrain_loops.engine.precision import DTYPES
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.update import precision
+from raytrain_loops.engine.update.precision import DTYPES
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import LMTask
 

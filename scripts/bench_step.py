@@ -22,7 +22,7 @@ from torch import nn
 
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput
-from raytrain_loops.engine.precision import DTYPES, hardware, resolve
+from raytrain_loops.engine.update.precision import DTYPES, hardware, resolve
 
 
 def mlp() -> nn.Module:

@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain_loops import storage
-from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.engine.checkpoint import files as ckpt
 from tests.test_hf_lm import _corpus
 
 TINY_GPT2 = '{"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}'

@@ -18,8 +18,8 @@ from raytrain_loops import storage
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.data import staging
 from raytrain_loops.data.reach import Unreachable, check_here
-from raytrain_loops.driver.errors import own_message, root_cause
 from raytrain_loops.driver.preflight import DataError, data_location, prepare
+from raytrain_loops.errors import own_message, root_cause
 from raytrain_loops.tasks import ParquetSplit
 from tests import test_store_s3
 from tests.test_store_s3 import _files

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from raytrain_loops.cli import main
-from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.engine.checkpoint import files as ckpt
 
 
 def _checkpoint(run: Path, config: dict | None = None) -> Path:

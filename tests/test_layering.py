@@ -1,40 +1,148 @@
-"""The house's rules (docs/architecture.md): the engine, the loop callbacks, the console's display,
-config, data, storage and the runtime (local mode among it) import no Ray; no module over 450 lines and no function over 60."""
+"""The house's rules (docs/architecture.md): the floors, each importing only from its own floor and
+those below; no folder of more than 12 modules; the Ray-free floors (config, storage, the
+errors, the engine, the loop callbacks, data, the run directory, the runtime) and the console's
+display and feed import no Ray; no module over 450 lines and no function over 60."""
+
+from __future__ import annotations
 
 import ast
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import raytrain_loops
 
-RAY_FREE = [
-    "raytrain_loops.engine",
-    "raytrain_loops.config",
-    "raytrain_loops.data",
-    "raytrain_loops.storage",
-    "raytrain_loops.console.display",
-    "raytrain_loops.console.feed",
-    "raytrain_loops.data.source",
-    *(f"raytrain_loops.runtime.{m.name}" for m in pkgutil.iter_modules([str(Path(raytrain_loops.__file__).parent / "runtime")])),
-    *(f"raytrain_loops.callbacks.{m.name}" for m in pkgutil.iter_modules([str(Path(raytrain_loops.__file__).parent / "callbacks")])),
+PACKAGE = Path(raytrain_loops.__file__).parent
+ROOT = "raytrain_loops"
+
+FLOORS = [  # lowest first: a module imports from its own floor and the floors below it, never above
+    f"{ROOT}.config",  # typed config
+    f"{ROOT}.storage",  # local paths and object-store URIs alike
+    f"{ROOT}.streams",  # closing a stream that holds a thread or open files
+    f"{ROOT}.errors",  # the errors a run stops with, and a failure's root cause as a user reads it
+    f"{ROOT}.console",  # the display, the feed actor, the capture of Ray's output
+    f"{ROOT}.recipes",  # the built-in recipes
+    f"{ROOT}.engine",  # the update, the loop, checkpoint files, torch.distributed
+    f"{ROOT}.callbacks",  # the loop's callbacks
+    f"{ROOT}.data",  # Parquet plans, map-style batches, samplers, generated sets
+    f"{ROOT}.tasks",  # what a recipe plugs in
+    f"{ROOT}.rundir",  # the run directory: its layout, the stop board, the best checkpoints
+    f"{ROOT}.runtime",  # one training process wired (a Ray worker's and local mode's), the batch source
+    f"{ROOT}.controller",  # Ray: the Train controller's callbacks
+    f"{ROOT}.worker",  # Ray: every Train worker
+    f"{ROOT}.driver",  # Ray: the driver
+    f"{ROOT}.sweeps",  # Ray Tune
+    f"{ROOT}.jobs",  # the Ray Jobs client
+    f"{ROOT}.tools",  # commands outside the training path
+    f"{ROOT}.cli",  # the command line
+    ROOT,  # the public API (raytrain_loops/__init__.py) alone
 ]
+RAY_FREE_FLOORS = [f"{ROOT}.{f}" for f in ("config", "storage", "streams", "errors", "engine", "callbacks", "data")]
+RAY_FREE_FLOORS += [f"{ROOT}.{f}" for f in ("rundir", "runtime", "console.display", "console.feed")]
+MAX_MODULES = 12
 
 
-def test_the_engine_callbacks_display_config_data_storage_and_runtime_do_not_import_ray():
-    assert len(RAY_FREE) >= 18  # every callback and runtime module is in the list
-    code = f"import sys; import {', '.join(RAY_FREE)}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its ``__init__.py``)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def floor_of(module: str) -> int | None:
+    """The index in :data:`FLOORS` of the floor ``module`` is on: the longest floor that is the
+    module or a package holding it (the root floor holds only the root module)."""
+    found = [i for i, f in enumerate(FLOORS) if module == f or (f != ROOT and module.startswith(f + "."))]
+    return max(found, key=lambda i: len(FLOORS[i]), default=None)
+
+
+def imports(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import of the package's own modules in ``module``, at any depth
+    (in functions and ``TYPE_CHECKING`` blocks too): ``from a import b`` is ``a.b`` when that is a
+    module, else ``a``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1 packages
+                parent = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            out += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in known else base) for a in node.names]
+    return sorted({(line, m) for line, m in out if m == ROOT or m.startswith(ROOT + ".")})
+
+
+def upward_imports(package: Path = PACKAGE) -> list[str]:
+    """Every import of a module from a floor above its own, and every module on no floor."""
+    found = modules(package)
+    problems = [f"{m} is on no floor of FLOORS" for m in found if floor_of(m) is None]
+    for module, path in found.items():
+        own = floor_of(module)
+        for line, target in imports(module, path, set(found)):
+            theirs = floor_of(target)
+            if own is not None and theirs is not None and theirs > own:
+                where = f"{path.relative_to(package.parent)}:{line}"
+                problems.append(f"{where} imports {target} (floor {FLOORS[theirs]}, above {FLOORS[own]})")
+    return problems
+
+
+def crowded_folders(package: Path = PACKAGE) -> list[str]:
+    """The folders holding more than :data:`MAX_MODULES` modules (``__init__.py`` not counted), and
+    those of modules without an ``__init__.py`` (setuptools' ``find`` would leave them out)."""
+    folders = [package, *(d for d in package.rglob("*") if d.is_dir())]
+    counts = {d: len([p for p in d.glob("*.py") if p.name != "__init__.py"]) for d in folders}
+    crowded = [f"{d.relative_to(package.parent)}/: {n} modules" for d, n in sorted(counts.items()) if n > MAX_MODULES]
+    bare = [f"{d.relative_to(package.parent)}/: no __init__.py" for d, n in sorted(counts.items()) if n and not (d / "__init__.py").exists()]
+    return crowded + bare
+
+
+def test_nothing_imports_from_a_floor_above_its_own_and_every_floor_is_there():
+    assert [f for f in FLOORS if f not in modules()] == []  # a floor the list names but the package lost
+    assert upward_imports() == []
+
+
+def test_no_folder_holds_more_than_12_modules():
+    assert crowded_folders() == []
+
+
+def test_the_rules_catch_an_upward_import_a_module_on_no_floor_and_a_crowded_folder(tmp_path):
+    """The checks above, on a package made for them: they would not pass a tree that breaks them."""
+    pkg = tmp_path / ROOT
+    for name in ("__init__", "config/__init__", "config/base", "driver/__init__", "driver/fit", "extra"):
+        (pkg / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
+        (pkg / f"{name}.py").write_text("")
+    # An upward import inside a function, a relative one, and one of a submodule through its package.
+    (pkg / "config/base.py").write_text("def f():\n    from raytrain_loops.driver import fit\n")
+    (pkg / "config/__init__.py").write_text("from ..driver.fit import x\nfrom raytrain_loops.config import base\n")
+    assert upward_imports(pkg) == [
+        f"{ROOT}.extra is on no floor of FLOORS",
+        f"{ROOT}/config/__init__.py:1 imports {ROOT}.driver.fit (floor {ROOT}.driver, above {ROOT}.config)",
+        f"{ROOT}/config/base.py:2 imports {ROOT}.driver.fit (floor {ROOT}.driver, above {ROOT}.config)",
+    ]
+    for i in range(MAX_MODULES):  # and driver/fit.py
+        (pkg / "driver" / f"m{i}.py").write_text("")
+    (pkg / "jobs").mkdir()
+    (pkg / "jobs" / "submit.py").write_text("")
+    assert crowded_folders(pkg) == [f"{ROOT}/driver/: {MAX_MODULES + 1} modules", f"{ROOT}/jobs/: no __init__.py"]
+
+
+def test_the_ray_free_floors_and_the_console_display_and_feed_do_not_import_ray():
+    ray_free = [m for m in modules() if any(m == f or m.startswith(f + ".") for f in RAY_FREE_FLOORS)]
+    assert len(ray_free) >= 50  # every module of those floors, not the packages alone
+    code = f"import sys; import {', '.join(ray_free)}; print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_no_module_over_450_lines_and_no_function_over_60():
-    package = Path(raytrain_loops.__file__).parent
     long_modules, long_functions = [], []
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
-        name = str(path.relative_to(package.parent))
+        name = str(path.relative_to(PACKAGE.parent))
         if len(text.splitlines()) > 450:
             long_modules.append((name, len(text.splitlines())))
         for node in ast.walk(ast.parse(text)):

@@ -16,7 +16,7 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine import precision
+from raytrain_loops.engine.update import precision
 from raytrain_loops.tasks import DigitsTask
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrain_loops import fit
-from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.engine.checkpoint import files as ckpt
 from tests.recording import counted_batches
 
 pytestmark = pytest.mark.ray

@@ -194,7 +194,7 @@ class _Noisy:
 
 
 def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when_it_does_not(split):
-    from raytrain_loops.data.source import read_and_preprocess
+    from raytrain_loops.runtime.batches import read_and_preprocess
 
     plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
     kwargs = {"index": split, "plan": plan, "first": 3, "skip": 10, "seeds": (0, 2), "rows": 300, "train": True}
@@ -213,7 +213,7 @@ def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when
 
 def test_local_preprocessing_gives_the_rows_and_seeds_ray_datas_tasks_get_from_a_resumed_position(split):
     from raytrain_loops.config.run import DataConfig, PreprocessConfig
-    from raytrain_loops.data.source import preprocessed_here, read_and_preprocess
+    from raytrain_loops.runtime.batches import preprocessed_here, read_and_preprocess
 
     plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
     data = DataConfig(preprocess=PreprocessConfig(batch_rows=300))

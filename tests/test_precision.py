@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from raytrain_loops.config import load_config
-from raytrain_loops.engine import precision
-from raytrain_loops.engine.precision import Hardware, resolve
+from raytrain_loops.engine.update import precision
+from raytrain_loops.engine.update.precision import Hardware, resolve
 from tests.gloo import run_gloo
 
 CPU_NATIVE = Hardware("cpu", "CPU AVX512", True)

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_loops.callbacks.preemption import COST, Notice, PreemptionCheck, cadence
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.guards import GroupBrokenError
+from raytrain_loops.engine.distributed import collectives
+from raytrain_loops.engine.update.guards import GroupBrokenError
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.test_loop import CADENCE, _loop
@@ -106,11 +107,14 @@ def _torn_down(rank: int, world: int):
     engine = Engine(model, fakes.mean_loss, fakes.config("grad_sync.check=true").engine, total_steps=4)
     x, y = fakes.regression_data(n=8, seed=rank)
     engine.train_step([(x, y)])  # a whole step with every worker
+    assert not collectives.torn_down(world)
     model.register_comm_hook(None, _allreduce_then_destroy)
     try:
         engine.train_step([(x, y)])
     except GroupBrokenError as err:
-        return f"GroupBrokenError: {err}"
+        # The same check tells a Ray worker that a TrainingError raised after the step was this
+        # worker's values alone (worker/train.py): a group failure, not a stop to post.
+        return f"GroupBrokenError: {err}; torn down: {collectives.torn_down(world)}"
     return "no error"
 
 
@@ -121,6 +125,7 @@ def test_a_group_torn_down_mid_step_is_a_group_failure_ray_retries_not_a_trainin
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     for o in outcomes:
         assert o.value.startswith("GroupBrokenError: the process group of 2 workers was destroyed during step 2")
+        assert o.value.endswith("; torn down: True")
 
 
 def test_a_preempted_worker_is_said_so_and_not_counted_against_max_failures():

@@ -22,10 +22,10 @@ from raytrain_loops.config import load_config
 from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
 from raytrain_loops.data.recut import Deal, recut_plan, resume_point
 from raytrain_loops.data.samplers import GroupedBatchSampler
-from raytrain_loops.data.source import Batches, preprocessed_here
-from raytrain_loops.engine import checkpoint as ckpt
+from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.loop import Position
+from raytrain_loops.runtime.batches import Batches, preprocessed_here
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
@@ -222,7 +222,7 @@ def test_recut_rows_are_read_where_they_are_with_their_own_seeds_on_both_read_pa
     rest0 = whole[0][25 * BATCH :, 0]  # old worker 0's rows left (its share divides into batches)
     assert len(done[0]) > len(rest0) and np.array_equal(done[0][: len(rest0), 0], rest0)
     # Ray Data's tasks read the same windows (read_and_preprocess with the part's windows).
-    from raytrain_loops.data.source import read_and_preprocess
+    from raytrain_loops.runtime.batches import read_and_preprocess
 
     first, skip = plan.locate(0)
     tasks = read_and_preprocess(SeededIds(), split.index, plan, range(plan.windows), first, skip, (7, EPOCH), 100, True)

@@ -128,7 +128,7 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
 @pytest.mark.ray
 def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     from raytrain_loops import tune
-    from raytrain_loops.engine import checkpoint as ckpt
+    from raytrain_loops.engine.checkpoint import files as ckpt
 
     sweep = _sweep(
         tmp_path,

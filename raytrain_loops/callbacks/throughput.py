@@ -41,11 +41,11 @@ from raytrain_loops.config.engine import ThroughputConfig
 from raytrain_loops.engine.api import LossFn, StepContext, StepResult
 from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.loop import Callback
-from raytrain_loops.engine.precision import autocast
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.step import Engine
+from raytrain_loops.engine.update.guards import is_oom
+from raytrain_loops.engine.update.precision import autocast
+from raytrain_loops.engine.update.step import Engine
 
 __all__ = ["Throughput", "gpu_peak_tflops", "peak_tflops", "plain_copy"]
 

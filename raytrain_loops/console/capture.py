@@ -29,7 +29,7 @@ from typing import Any
 from raytrain_loops import storage
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Feed, Sender
-from raytrain_loops.driver.errors import root_cause
+from raytrain_loops.errors import root_cause
 
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
 DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output

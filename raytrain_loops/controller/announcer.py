@@ -11,7 +11,7 @@ from typing import Any
 from ray.train.v2.api.callback import UserCallback
 
 from raytrain_loops.console.feed import Sender
-from raytrain_loops.driver.errors import root_cause
+from raytrain_loops.errors import root_cause
 
 
 def preempted(err: BaseException) -> bool:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_loops.data.deal import FILE, GROUP, START, STOP, cut, keyed_rng, shares, storage_span
+from raytrain_loops.streams import close
 
 ROW_SEED = "_row_seed"
 """The batch key under which :meth:`Task.preprocess` finds each row's seed (``uint64``)."""
@@ -313,14 +314,6 @@ def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: boo
             yield collate(rest)
     finally:
         close(fetched)  # this stream closed (its epoch ended, whatever the reason): so is what it reads
-
-
-def close(stream: Iterable[Any]) -> None:
-    """Close ``stream`` now when it can be closed (a generator: its ``finally`` runs, its files
-    and threads end), rather than when the garbage collector or a held traceback lets it go."""
-    closer = getattr(stream, "close", None)
-    if callable(closer):
-        closer()
 
 
 def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:

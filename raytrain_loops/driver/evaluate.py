@@ -22,9 +22,9 @@ import yaml
 from raytrain_loops import storage
 from raytrain_loops.config import Config, load_config
 from raytrain_loops.driver.preflight import DataError, prepare
-from raytrain_loops.driver.run_dir import PRECISION_FILE
-from raytrain_loops.engine import checkpoint as ckpt_files
-from raytrain_loops.engine import precision
+from raytrain_loops.engine.checkpoint import files as ckpt_files
+from raytrain_loops.engine.update import precision
+from raytrain_loops.rundir.layout import PRECISION_FILE
 from raytrain_loops.runtime.wiring import WorkerPayload
 from raytrain_loops.tasks import BUILTIN_PATHS
 

@@ -22,19 +22,17 @@ from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, warn_emulated_bf16
 from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.run_dir import (
-    PRECISION_FILE,
-    SUMMARY,
     Finished,
     RunLock,
     check_config,
-    checkpoint_dirs,
     finished,
     pin_artefacts,
     record_changes,
     unfinish,
 )
-from raytrain_loops.driver.stops import StopBoard, fit_or_stop
 from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
+from raytrain_loops.rundir.layout import PRECISION_FILE, SUMMARY, checkpoint_dirs
+from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
 from raytrain_loops.tasks import Task
 
 

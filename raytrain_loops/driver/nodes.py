@@ -15,8 +15,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.data.reach import first_failure, targets, unreachable
-from raytrain_loops.driver.errors import root_cause
 from raytrain_loops.driver.preflight import DataError
+from raytrain_loops.errors import root_cause
 from raytrain_loops.tasks import ParquetSplit, Task, has_preprocess
 
 PROBE_TIMEOUT_S = 60.0

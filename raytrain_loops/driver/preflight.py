@@ -322,7 +322,7 @@ def warn_emulated_bf16(config: Config) -> bool:
 
     import torch
 
-    from raytrain_loops.engine import precision
+    from raytrain_loops.engine.update import precision
 
     hw = precision.hardware(torch.device("cpu"))
     if hw.native_bf16:

@@ -21,17 +21,12 @@ import yaml
 
 from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError
-from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.checkpoint import files as ckpt_files
+from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE, CHANGES, LOCK, SUMMARY, checkpoint_dirs
 
 if TYPE_CHECKING:
     from raytrain_loops.tasks import Task
 
-LOCK = "driver.lock"
-CHANGES = "config_changes.jsonl"
-ARTEFACTS = "artefacts"  # the task's pinned files: <run>/artefacts/<name>
-ARTEFACTS_FILE = "artefacts.json"  # their SHA-256 and the prepared data's digest
-SUMMARY = "summary.json"  # a finished run's metrics; removed when the run trains again
-PRECISION_FILE = "precision.json"  # the dtype the run trains in (precision.dtype=auto resolved at its first start)
 # What a rerun may change: where and how the run executes (compilation and activation
 # checkpointing included: they change how blocks compute, not the state a checkpoint holds), and
 # how long it runs. Everything else shapes the state in the checkpoints (model, optimizer, data,
@@ -264,12 +259,6 @@ def read_pinned(run_dir: str, prefix: str) -> dict[str, bytes]:
             raise ckpt_files.CheckpointError(f"{run_dir}: {ARTEFACTS}/{name} is missing or differs from its digest")
         out[name[len(prefix) :]] = data
     return out
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """The run's checkpoint directories, oldest first."""
-    paths = [p for p in storage.list_dirs(run_dir) if ckpt_files.step_of(storage.name(p)) >= 0]
-    return sorted(paths, key=lambda p: ckpt_files.order_key(storage.name(p)))
 
 
 @dataclass

@@ -14,7 +14,7 @@ from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.controller.keep_best import KeepBest
-from raytrain_loops.driver.stops import StopBoard
+from raytrain_loops.rundir.stops import StopBoard
 from raytrain_loops.tasks import ParquetSplit, Task
 from raytrain_loops.worker.train import WorkerPayload, train_loop_per_worker
 
@@ -119,7 +119,7 @@ def build_trainer(
     """The trainer for one run. Parquet splits are read by each worker in the epoch's order
     (:mod:`raytrain_loops.data.parquet`); those held in memory are put in Ray's object store here.
     ``init_checkpoint`` starts the run from another run's checkpoint (a PBT donor's); ``board``
-    is where its workers post a stop (read it back with :func:`~raytrain_loops.driver.stops.fit_or_stop`);
+    is where its workers post a stop (read it back with :func:`~raytrain_loops.rundir.stops.fit_or_stop`);
     ``console``, where rank 0 sends its progress and evaluation lines (none: its own stdout);
     ``tracking``, the MLflow run rank 0 logs to; ``precision_warned``, that the driver warned of an
     emulated bf16 (rank 0 warns otherwise)."""

@@ -1,10 +1,11 @@
 """The per-worker training engine. It imports no Ray and runs with or without a process group."""
 
 from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
-from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.devices import to_device, unwrap
-from raytrain_loops.engine.ema import EMA
-from raytrain_loops.engine.guards import (
+from raytrain_loops.engine.optim.ema import EMA
+from raytrain_loops.engine.optim.schedules import schedule_value, schedule_values
+from raytrain_loops.engine.update.decision import Decision, Reduced, decide
+from raytrain_loops.engine.update.guards import (
     GradSyncError,
     GroupBrokenError,
     LossScaleError,
@@ -12,8 +13,7 @@ from raytrain_loops.engine.guards import (
     OOMError,
     TrainingError,
 )
-from raytrain_loops.engine.schedules import schedule_value, schedule_values
-from raytrain_loops.engine.step import Engine
+from raytrain_loops.engine.update.step import Engine
 
 __all__ = [
     "Decision",

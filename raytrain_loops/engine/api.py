@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raytrain_loops.engine.decision import Decision
+from raytrain_loops.engine.update.decision import Decision
 
 __all__ = ["LossFn", "LossOutput", "StepContext", "StepResult"]
 

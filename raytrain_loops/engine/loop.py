@@ -30,8 +30,9 @@ from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
-from raytrain_loops.engine.precision import autocast
-from raytrain_loops.engine.step import Engine
+from raytrain_loops.engine.update.precision import autocast
+from raytrain_loops.engine.update.step import Engine
+from raytrain_loops.streams import close as _close  # a split's stream, when its epoch or evaluation ends
 
 __all__ = [
     "BatchSource",
@@ -252,14 +253,6 @@ def _fresh_metrics(metrics_fn: MetricsFn | None, device: torch.device) -> dict[s
     if metrics_fn is None:
         return {}
     return {name: metric.to(device) for name, metric in metrics_fn().items()}
-
-
-def _close(stream: Iterable[Any]) -> None:
-    """End a split's stream when its epoch or evaluation ends, for any reason: its reading thread
-    and open files go now, not when the garbage collector or a held traceback lets them."""
-    closer = getattr(stream, "close", None)
-    if callable(closer):
-        closer()
 
 
 def _due(every: int, step: int) -> bool:

@@ -16,8 +16,8 @@ import torch
 from raytrain_loops.engine.distributed import collectives
 
 if TYPE_CHECKING:
-    from raytrain_loops.engine.decision import Reduced
-    from raytrain_loops.engine.step import Engine
+    from raytrain_loops.engine.update.decision import Reduced
+    from raytrain_loops.engine.update.step import Engine
 
 __all__ = ["Meters", "Smoother", "end_epoch_metrics", "flush_epoch_metrics", "log_step", "reduce_metrics"]
 

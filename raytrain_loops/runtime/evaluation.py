@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from raytrain_loops.config import Config
-from raytrain_loops.engine import Engine, precision
-from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import evaluate, sync_buffers
 from raytrain_loops.engine.rng import seed_everything
+from raytrain_loops.engine.update import precision
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.wiring import WorkerPayload, set_threads
 from raytrain_loops.tasks import Task

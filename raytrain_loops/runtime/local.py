@@ -24,14 +24,14 @@ from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Sender
-from raytrain_loops.data.source import Batches, preprocessed_here
-from raytrain_loops.driver.errors import TrainingStopped
-from raytrain_loops.driver.run_dir import checkpoint_dirs
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import sharding
-from raytrain_loops.engine.guards import TrainingError
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.runtime.best import BestCheckpoints
+from raytrain_loops.engine.update.guards import TrainingError
+from raytrain_loops.errors import TrainingStopped
+from raytrain_loops.rundir.best import BestCheckpoints
+from raytrain_loops.rundir.layout import checkpoint_dirs
+from raytrain_loops.runtime.batches import Batches, preprocessed_here
 from raytrain_loops.runtime.evaluation import evaluate_checkpoint
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
@@ -120,8 +120,8 @@ def _prepare_model(module: torch.nn.Module, task: Task, config: Config) -> tuple
 def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
     """Run the loop in this process as the only worker; return the last reported metrics and the
     newest checkpoint. The task's own errors are raised here with their own tracebacks; an
-    error of the :class:`~raytrain_loops.engine.guards.TrainingError` family (non-finite values,
-    a loss spike) as :class:`~raytrain_loops.driver.errors.TrainingStopped`, as on Ray."""
+    error of the :class:`~raytrain_loops.engine.update.guards.TrainingError` family (non-finite values,
+    a loss spike) as :class:`~raytrain_loops.errors.TrainingStopped`, as on Ray."""
     device = local_device(payload.config)
     display = Display()
     sender = DisplaySender(display)

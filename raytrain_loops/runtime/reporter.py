@@ -2,7 +2,7 @@
 newest intact checkpoint, which the workers of a group go through together (their agreement:
 :mod:`raytrain_loops.runtime.restore`). A Ray worker's :class:`~raytrain_loops.worker.reporter.RayReporter`
 and a local run's :class:`~raytrain_loops.runtime.local.LocalReporter` build on it; the files
-themselves are :mod:`raytrain_loops.engine.checkpoint`."""
+themselves are :mod:`raytrain_loops.engine.checkpoint.files`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from raytrain_loops import storage
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.restore import FailedElsewhere, agree, merged_candidates
@@ -37,7 +37,7 @@ class CheckpointReporter:
     def __init__(self, engine: Engine, rank: int, world: int, run_dir: str):
         self.engine, self.rank, self.world, self.run_dir = engine, rank, world, run_dir
         # The batch source, when it records data positions in rows on the epoch's deal
-        # (record/resume, :class:`~raytrain_loops.data.source.Batches`); else the loop's
+        # (record/resume, :class:`~raytrain_loops.runtime.batches.Batches`); else the loop's
         # positions are recorded as they are.
         self.data: DataPositions | None = None
         self.loaded: dict[str, Any] | None = None  # what restore() loaded: path, model digest, skipped
@@ -106,7 +106,7 @@ class CheckpointReporter:
         their checksums, a sharded checkpoint's metadata), and the workers vote before loading
         it, and again after: the load of a sharded checkpoint runs collectives, which a worker
         that moved on would leave the others waiting in. Damage any worker sees
-        (:class:`~raytrain_loops.engine.checkpoint.CheckpointError`) moves every worker on to
+        (:class:`~raytrain_loops.engine.checkpoint.files.CheckpointError`) moves every worker on to
         the one before; any other error (out of memory, an I/O error) stops the restore on
         every worker. When every checkpoint is damaged (a first upload cut off by a
         preemption), the run starts again from the beginning, and ``loaded`` says so.

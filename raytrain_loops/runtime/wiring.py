@@ -25,12 +25,13 @@ from raytrain_loops.callbacks.spike_guard import SpikeGuard
 from raytrain_loops.callbacks.throughput import Throughput, plain_copy
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
-from raytrain_loops.driver.run_dir import PRECISION_FILE
-from raytrain_loops.driver.stops import StopBoard
-from raytrain_loops.engine import Engine, precision, unwrap
+from raytrain_loops.engine import Engine, unwrap
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
 from raytrain_loops.engine.rng import seed_everything
+from raytrain_loops.engine.update import precision
+from raytrain_loops.rundir.layout import PRECISION_FILE
+from raytrain_loops.rundir.stops import StopBoard
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
+from raytrain_loops import storage
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
-from raytrain_loops import storage
 
 
 @dataclass

@@ -19,16 +19,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from raytrain_loops import storage
+from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
-from raytrain_loops import storage
 from raytrain_loops.console.capture import Console
-from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.preflight import planned_steps, prepare
-from raytrain_loops.driver.stops import StopBoard, fit_or_stop
-from raytrain_loops.sweeps.results import SweepResult, write_outputs
-from raytrain_loops.callbacks.mlflow_log import TrackedRun
+from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked
+from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
+from raytrain_loops.sweeps.results import SweepResult, write_outputs
 from raytrain_loops.tasks import Task
 
 DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer

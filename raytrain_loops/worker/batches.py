@@ -1,4 +1,4 @@
-"""This worker's batches on Ray: :class:`~raytrain_loops.data.source.Batches` on this worker's
+"""This worker's batches on Ray: :class:`~raytrain_loops.runtime.batches.Batches` on this worker's
 device, a task's :meth:`~raytrain_loops.tasks.Task.preprocess` run by Ray Data tasks on the
 cluster's CPUs (:func:`preprocessed`). The loop's :class:`~raytrain_loops.engine.loop.BatchSource`."""
 
@@ -14,8 +14,8 @@ import ray.train.torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data.parquet import close
-from raytrain_loops.data.source import Batches, Plan, read_and_preprocess
+from raytrain_loops.runtime.batches import Batches, Plan, read_and_preprocess
+from raytrain_loops.streams import close
 from raytrain_loops.tasks import Task
 
 

@@ -21,9 +21,9 @@ from raytrain_loops.callbacks.preemption import Notice, PreemptionCheck
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.data.reach import check_here
-from raytrain_loops.driver.errors import Stopped
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.guards import GroupBrokenError, TrainingError
+from raytrain_loops.engine.update.guards import GroupBrokenError, TrainingError
+from raytrain_loops.errors import Stopped
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.tasks import Task
 from raytrain_loops.worker.batches import ray_batches
@@ -90,13 +90,6 @@ def _watched() -> bool:
     return collectives.all_reduce_sum(votes).item() == collectives.world_size()
 
 
-def _torn_down(world: int) -> bool:
-    """Whether this worker's process group is gone (Ray destroys it when it tears the group
-    down, while the training thread may be mid-step): what the step's collectives computed since
-    then was this worker's alone."""
-    return world > 1 and collectives.world_size() != world
-
-
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     context = ray.train.get_context()
@@ -124,7 +117,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     try:
         wired.loop.run(wired.position)
     except TrainingError as err:
-        if _torn_down(world):
+        if collectives.torn_down(world):
             # A group failure Ray retries (or ended on purpose), not a stop to post: the values
             # that raised it were computed without the other workers.
             raise GroupBrokenError(

@@ -21,6 +21,14 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def torn_down(world: int) -> bool:
+    """Whether the process group of ``world`` workers this process trained in is gone: Ray
+    destroys it when it tears the group down (a preemption's restart, another worker's failure)
+    while the training thread may be mid-step, and from then on the collectives are no-ops that
+    leave this worker's own values."""
+    return world > 1 and world_size() != world
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over all workers in place (a no-op on one worker) and return it."""
     if world_size() > 1:

@@ -18,11 +18,11 @@ from torch import nn
 
 from raytrain_loops.engine.api import StepContext
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.guards import GradSyncError, GroupBrokenError, TrainingError
-from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.update.guards import GradSyncError, GroupBrokenError, TrainingError
+from raytrain_loops.engine.update.precision import autocast
 
 if TYPE_CHECKING:
-    from raytrain_loops.engine.step import Engine, LocalSums
+    from raytrain_loops.engine.update.step import Engine, LocalSums
 
 __all__ = ["check_grad_sync", "join_with_dummy", "recover_from_oom", "require_group", "sync", "wrapping"]
 
@@ -115,7 +115,7 @@ def require_group(engine: Engine) -> None:
     collectives are no-ops that leave this worker's own values (a gradient norm of 0 for every
     other worker, a loss of this worker's batches alone). Judged as they are, those would be a
     training stop (``GradSyncError``, a non-finite loss) where Ray retries a group failure."""
-    if engine.world_size > 1 and collectives.world_size() != engine.world_size:
+    if collectives.torn_down(engine.world_size):
         raise GroupBrokenError(
             f"the process group of {engine.world_size} workers was destroyed during step {engine.step + 1} "
             "(the group is being torn down); the step's collectives did not reach the other workers"

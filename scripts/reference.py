@@ -2,7 +2,7 @@
 the config dataclasses (every dotted key with its type, default, allowed values and help string)
 and ``docs/cli.md`` from the argument parser (every verb with its arguments and flags).
 
-``python -m raytrain_loops.tools.reference`` rewrites both files; ``--check`` exits 1 naming the
+``python scripts/reference.py`` rewrites both files; ``--check`` exits 1 naming the
 files that are out of date (the suite runs the same comparison).
 """
 
@@ -17,9 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 CONFIG_DOC, CLI_DOC = DOCS / "configuration.md", DOCS / "cli.md"
-GENERATED = "Generated from the code by `python -m raytrain_loops.tools.reference`: edit the help strings, not this file."
+GENERATED = "Generated from the code by `python scripts/reference.py`: edit the help strings, not this file."
 
 
 def _type(tp: Any) -> str:
@@ -157,13 +157,13 @@ def stale() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m raytrain_loops.tools.reference", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/reference.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 naming the files that are out of date")
     args = ap.parse_args(argv)
     if args.check:
         out_of_date = stale()
         for path in out_of_date:
-            print(f"{path} is out of date: run python -m raytrain_loops.tools.reference", file=sys.stderr)
+            print(f"{path} is out of date: run python scripts/reference.py", file=sys.stderr)
         return 1 if out_of_date else 0
     CONFIG_DOC.write_text(configuration_reference())
     CLI_DOC.write_text(cli_reference())

@@ -1,4 +1,4 @@
-"""A skipped update, the same on every worker once :func:`~raytrain_loops.engine.decision.decide`
+"""A skipped update, the same on every worker once :func:`~raytrain_loops.engine.update.decision.decide`
 has said skip: the skip policy (:func:`skip`: drop the gradients, count the skip, close the loss
 scaler's step, raise when a limit or ``nonfinite.policy``/``oom.policy`` says stop), and the
 diagnosis its errors carry: a persistent OOM, or where a non-finite loss or gradient was first
@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrain_loops.engine.api import StepContext
-from raytrain_loops.engine.decision import Decision
 from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.engine.guards import (
+from raytrain_loops.engine.update.decision import Decision
+from raytrain_loops.engine.update.guards import (
     LossScaleError,
     NonFiniteError,
     OOMError,
     first_nonfinite_grad,
     first_nonfinite_module,
 )
-from raytrain_loops.engine.precision import autocast
+from raytrain_loops.engine.update.precision import autocast
 
 if TYPE_CHECKING:
-    from raytrain_loops.engine.step import Engine, LocalSums
+    from raytrain_loops.engine.update.step import Engine, LocalSums
 
 __all__ = ["skip"]
 

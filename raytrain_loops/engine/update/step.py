@@ -15,9 +15,9 @@ Per step, on every worker (docs/architecture.md places it among the layers):
    by the criterion's ``stats``, and one host read of it: every decision below is taken from the
    reduced values, so every worker takes the same one. A task that declares counts adds one
    small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
-3. :func:`~raytrain_loops.engine.decision.decide`, a pure function of the reduced values: apply,
+3. :func:`~raytrain_loops.engine.update.decision.decide`, a pure function of the reduced values: apply,
    or skip (OOM anywhere, no data anywhere, fp16 overflow, non-finite) and possibly raise, the
-   same on all workers (:mod:`~raytrain_loops.engine.skips`); raise when the workers' gradient
+   same on all workers (:mod:`~raytrain_loops.engine.update.skips`); raise when the workers' gradient
    norms differ (DDP left them unsynchronised);
 4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
    averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
@@ -37,17 +37,18 @@ import torch
 from torch import nn
 
 from raytrain_loops.config.engine import EngineConfig
-from raytrain_loops.engine import schedules, skips
 from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
-from raytrain_loops.engine.decision import Decision, Reduced, decide
 from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.distributed import collectives, sharding, step_sync
-from raytrain_loops.engine.ema import EMA
-from raytrain_loops.engine.guards import is_oom
 from raytrain_loops.engine.meters import Meters, log_step
-from raytrain_loops.engine.optim import apply_values, build_optimizer, param_groups
-from raytrain_loops.engine.precision import autocast, grad_scaler
+from raytrain_loops.engine.optim import schedules
+from raytrain_loops.engine.optim.ema import EMA
+from raytrain_loops.engine.optim.optimizer import apply_values, build_optimizer, param_groups
 from raytrain_loops.engine.rng import rng_state, set_rng_state
+from raytrain_loops.engine.update import skips
+from raytrain_loops.engine.update.decision import Decision, Reduced, decide
+from raytrain_loops.engine.update.guards import is_oom
+from raytrain_loops.engine.update.precision import autocast, grad_scaler
 
 __all__ = ["Engine"]
 
@@ -131,7 +132,7 @@ class Engine:
     required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
 
     The step's DDP/FSDP mechanics (:mod:`~raytrain_loops.engine.distributed.step_sync`), a
-    skipped update (:mod:`~raytrain_loops.engine.skips`) and the meters' logging
+    skipped update (:mod:`~raytrain_loops.engine.update.skips`) and the meters' logging
     (:mod:`~raytrain_loops.engine.meters`) are functions taking the engine, reading its public
     attributes. :meth:`state_dict`, :meth:`load_state_dict` and :meth:`sharded_targets` are its
     state, as checkpoints hold it.

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from raytrain_loops import storage
-from raytrain_loops.engine import checkpoint as ckpt_files
+from raytrain_loops.engine.checkpoint import files as ckpt_files
 
 BEST = "best"
 

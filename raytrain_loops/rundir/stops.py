@@ -1,6 +1,6 @@
 """A stop that a retry cannot fix, agreed by every worker through the run's store.
 
-The engine's errors of the :class:`~raytrain_loops.engine.guards.TrainingError` family come from
+The engine's errors of the :class:`~raytrain_loops.engine.update.guards.TrainingError` family come from
 all-reduced values, so every worker raises them at the same step; every worker then ends the
 attempt normally (no retry) and the driver raises :class:`TrainingStopped`. A ``TrainingError``
 raised by one worker alone (a task's criterion or a callback deciding from its own values)
@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from raytrain_loops import storage
-from raytrain_loops.driver.errors import Stopped, TrainingStopped
+from raytrain_loops.errors import Stopped, TrainingStopped
 
 AGREE_S = 10.0  # how long a stopping worker waits for the others' stops
 
