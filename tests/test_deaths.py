@@ -112,16 +112,18 @@ def test_the_controller_says_a_death_once_and_leaves_the_broken_collective_it_ca
 
 def test_a_death_in_words_ray_did_not_use_before_shows_its_first_line_and_where_the_rest_is(tmp_path):
     sender = Recorder()
-    Announcer(sender, max_failures=0).after_exception(
-        None, {1: failed_check("ActorDiedError: The actor is dead because a new reason came up.\n\tmore: detail")}
-    )
+    # Ray's real text of a kill, with its cause line in words this does not know.
+    details, cause = FIXTURES["actor_sigkill"].rsplit("\n", 1)
+    assert cause.startswith("The actor is dead because its worker process has died.")
+    unknown = f"{details}\nThe actor is dead because a new reason came up.\n\tmore: detail"
+    Announcer(sender, max_failures=0).after_exception(None, {1: failed_check(unknown)})
     (event,) = sender.events
     assert event["see_log"]
     shown = io.StringIO()
     with Console(str(tmp_path), display=Display(shown)) as console:
         console.display.show(console._logged(event))
     assert shown.getvalue() == (
-        f"{WORKER} died: The actor is dead because a new reason came up.; no retries left (run.max_failures); "
+        f"{WORKER} died: The actor is dead because a new reason came up; no retries left (run.max_failures); "
         f"details in {tmp_path / 'ray.log'}\n"
     )
     assert "\tmore: detail" in (tmp_path / "ray.log").read_text()

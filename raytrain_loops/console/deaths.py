@@ -56,13 +56,12 @@ _CAUSES = (
 
 @dataclass(frozen=True)
 class Death:
-    """One worker's death: where, how, and Ray's whole text of it."""
+    """One worker's death: where and how."""
 
     node_ip: str
     node_id: str
     how: str
     known: bool  # False: ``how`` is Ray's first line, shortened (a shape this module does not know)
-    text: str
 
     def line(self, rank: int) -> str:
         """``worker 1 on node 10.0.0.3 (a1b2c3d4) was killed or crashed (...)``."""
@@ -88,9 +87,8 @@ def death(err: BaseException) -> Death | None:
     actor_error = failure if isinstance(failure, BaseException) else err
     if not DEATHS & _class_names(actor_error):
         return None
-    text = str(err)
     how, known = _how(str(actor_error))
-    return _where(text, how, known)
+    return _where(str(err), how, known)
 
 
 def _how(cause: str) -> tuple[str, bool]:
@@ -101,7 +99,11 @@ def _how(cause: str) -> tuple[str, bool]:
             used = f": {float(memory[1]):.1f} of {float(memory[2]):.1f} GB in use on its node" if memory else ""
             node = f"the node was {gone[1].strip()}" if gone else "the node died"
             return how.format(code=code[1] if code else "?", memory=used, node=node), True
-    return f"died: {first_line(cause)}", False
+    # Ray's first line of an ActorDiedError is always its BASE_ERROR_MSG, then the actor's details
+    # (tab-indented): the cause is the first line after them.
+    said = [line for line in cause.splitlines() if line.strip() and not line.startswith("\t")]
+    said = [line for line in said if line.strip() != "The actor died unexpectedly before finishing this task."]
+    return f"died: {first_line(said[0] if said else cause).rstrip('.')}", False
 
 
 def _where(text: str, how: str, known: bool) -> Death:
@@ -111,7 +113,6 @@ def _where(text: str, how: str, known: bool) -> Death:
         node_id=next((g for g in node_id.groups() if g), "") if node_id else "",
         how=how,
         known=known,
-        text=text,
     )
 
 
