@@ -174,8 +174,13 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _failed(command: str, err: Exception, local: bool = False) -> int:
+    from raytrain_loops.console.deaths import deaths
     from raytrain_loops.errors import root_cause, worker_traceback
 
+    died = deaths(getattr(err, "worker_failures", None) or {})
+    if died:  # no traceback to show: Ray's text is in ray.log (the controller's line of it)
+        print(f"raytrain-loops: {command} failed: {'; '.join(d.line(r) for r, d in died.items())}", file=sys.stderr)
+        return 1
     trace = worker_traceback(err)
     if local:  # raised in this process: its own traceback, the task's frame last
         trace = "".join(traceback.format_exception(err))

@@ -131,7 +131,8 @@ def test_the_raylets_messages_go_to_ray_log_and_rays_printer_comes_back_after(tm
     log = (tmp_path / "ray.log").read_text()
     assert "(raylet pid=raylet) WARNING: 12 PYTHON worker processes" in log and "killed due to memory" in log
     assert "12 PYTHON" not in seen + shown.getvalue() and "a worker's own line" in seen  # else: as Ray prints it
-    assert shown.getvalue() == "(raylet) 1 Workers killed due to memory pressure (OOM)\n"  # what a user must see
+    # What a user must see: a message in a shape the console does not know, its first line and where the rest is.
+    assert shown.getvalue() == f"(raylet) 1 Workers killed due to memory pressure (OOM); details in {tmp_path / 'ray.log'}\n"
     assert ray_worker.print_to_stdstream is rays
 
 

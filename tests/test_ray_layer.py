@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -127,24 +128,33 @@ def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_p
         "default",
         "loop.max_steps=6",
         "run.max_failures=1",
-        "fault.plan=[{step: 2, kind: raise}, {step: 4, kind: raise}]",
+        "fault.plan=[{step: 2, rank: 1, kind: kill}, {step: 4, kind: raise}]",
         f"run.storage_path={tmp_path}",
         f"data.dir={tmp_path / 'data'}",
     )
     console = out.stdout + out.stderr
     assert out.returncode == 1, console[-3000:]
-    assert (
-        "worker 0 failed: " in console
-        and "fault.plan[0] after step 2; restarting from the newest checkpoint (retry 1 of 1)" in console
-    )
-    assert "fault.plan[1] after step 4; no retries left" in console
+    # The killed worker: one short line (which worker, its node, how, what next), not Ray's text.
+    (death,) = [line for line in console.splitlines() if line.startswith("worker 1 ")]
+    assert re.fullmatch(
+        r"worker 1 on node [\d.]+ \([0-9a-f]{8}\) was killed or crashed \(its process ended at once: a signal such "
+        r"as SIGKILL or SIGSEGV\); restarting from the newest checkpoint \(retry 1 of 1\)",
+        death,
+    ), death
+    for raw in ("A worker died or was killed", "Worker exit type", "WorkerHealthCheckFailedError", "ActorDiedError"):
+        assert raw not in console, console[-3000:]
+    assert "worker 0 failed: " in console and "fault.plan[1] after step 4; no retries left" in console
     assert "Traceback (most recent call last)" in out.stderr and 'faults.py", line' in out.stderr  # the worker's
     assert (
         "raytrain-loops: train failed: " in out.stderr and "fault.plan[1] after step 4" in out.stderr.splitlines()[-1]
     )
     assert "TrainingReport(" not in console and "(TrainController" not in console
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "data"]
-    assert "fault.plan[1]" in (run_dir / "ray.log").read_text()
+    ray_log = (run_dir / "ray.log").read_text()
+    assert "fault.plan[1]" in ray_log
+    # Ray's whole text of the death: the controller's failed health check with the actor's death cause.
+    assert f"{death}\nworker 1: WorkerHealthCheckFailedError: A worker health check failed." in ray_log
+    assert "Worker exit type: SYSTEM_ERROR" in ray_log
 
 
 def test_invalid_config_fails_before_ray_starts_naming_the_key():

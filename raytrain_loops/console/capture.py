@@ -10,8 +10,11 @@ store (which rank 0 only uploads at checkpoints, too late to follow).
 Everything Ray prints goes to ``ray.log``: the workers' and actors' forwarded output (the
 controller's resource requests, Ray Data's execution plans, each report), Ray's loggers on the
 driver, its warnings. A forwarded line starting with ``warning:`` (this project's own warnings,
-e.g. a damaged checkpoint skipped) is shown as well. ``logging.verbose`` leaves Ray's output as
-Ray prints it.
+e.g. a damaged checkpoint skipped) is shown as well. Of the raylet's messages, one on memory or a
+kill is shown by its first line and where the rest is; a worker's death is left to the Train
+controller's one line (:mod:`raytrain_loops.console.deaths`), and Ray's text of it goes to
+``ray.log`` only.
+``logging.verbose`` leaves Ray's output as Ray prints it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from contextlib import suppress
 from typing import Any
 
 from raytrain_loops import storage
+from raytrain_loops.console.deaths import raylet_line
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Feed, Sender
 from raytrain_loops.errors import root_cause
@@ -34,7 +38,6 @@ from raytrain_loops.errors import root_cause
 RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
 DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-RAYLET_SHOWN = re.compile(r"memory|killed", re.IGNORECASE)  # the raylet's messages shown as well as logged
 POLL_S = 0.3
 
 
@@ -145,7 +148,19 @@ class Console:
             self._to_log(f"console feed: {type(err).__name__}: {err}")
             return
         for event in events:
-            self.display.show(event)
+            self.display.show(self._logged(event))
+
+    def _logged(self, event: dict[str, Any]) -> dict[str, Any]:
+        """An event as shown: Ray's text that came with it (a worker's death) written to
+        ``ray.log``, and the pointer to it where the line could not say what happened."""
+        if event.get("detail"):
+            self._to_log(f"{event['text']}\n{event['detail']}")
+        if event.get("see_log") and self.log is not None:
+            return {**event, "text": f"{event['text']}; {self._details()}"}
+        return event
+
+    def _details(self) -> str:
+        return f"details in {storage.join(self.run_dir, 'ray.log')}"
 
     def __exit__(self, *exc: object) -> None:
         if self._thread is not None:
@@ -246,9 +261,10 @@ class Console:
         leaves: one that cannot be shown is noted in ``ray.log`` instead."""
         try:
             self._forwarded({**data, "actor_name": "raylet"})
-            for line in data.get("lines", []):
-                if RAYLET_SHOWN.search(line):  # a worker killed, memory running out: the user's to see
-                    self.display.line(f"(raylet) {ANSI.sub('', line).strip()}")
+            for message in data.get("lines", []):
+                shown = raylet_line(ANSI.sub("", message))  # memory running out: the user's to see
+                if shown:
+                    self.display.line(f"{shown}; {self._details()}" if self.log is not None else shown)
         except Exception as err:
             with suppress(Exception):
                 self._to_log(f"console: a message of the raylet could not be shown ({root_cause(err)}): {data!r:.2000}")

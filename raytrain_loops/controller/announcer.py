@@ -1,7 +1,9 @@
 """``Announcer``, a Ray Train controller callback; runs in the Train controller's process. It sends
 the console one line for each checkpoint Ray registered and for each worker failure, saying
-whether the run restarts. A worker lost to a preemption (its node reclaimed after a drain) is
-retried by Ray apart from ``run.max_failures`` (``run.max_preemptions``), and said so.
+whether the run restarts. A worker's death (killed, crashed, out of memory, its node gone) is one
+short line (:mod:`raytrain_loops.console.deaths`), with Ray's text of it sent along for ``ray.log``.
+A worker lost to a preemption (its node reclaimed after a drain) is retried by Ray apart from
+``run.max_failures`` (``run.max_preemptions``), and said so.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
+from raytrain_loops.console.deaths import Death, deaths
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.errors import root_cause
 
@@ -50,8 +53,21 @@ class Announcer(UserCallback):
             then = f"restarting from the newest checkpoint (retry {self.failures} of {_limit(self.max_failures)})"
         else:
             then = "no retries left (run.max_failures)"
+        died = deaths(worker_exceptions)
+        if died:
+            self._deaths(died, worker_exceptions, then)
+            return
         for rank, err in sorted(worker_exceptions.items()):
             self.sender.send("failure", f"worker {rank} failed: {root_cause(err)}; {then}")
+
+    def _deaths(self, died: dict[int, Death], worker_exceptions: dict[int, Exception], then: str) -> None:
+        """One line a death; Ray's whole text of the failure (with the other workers' errors,
+        which losing a worker caused: a broken collective) goes with the first, for ``ray.log``."""
+        errors = sorted(worker_exceptions.items())
+        raw = "\n".join(f"worker {rank}: {type(err).__name__}: {err}" for rank, err in errors)
+        for rank, d in died.items():
+            self.sender.send("failure", f"{d.line(rank)}; {then}", detail=raw, see_log=not d.known)
+            raw = ""
 
     def _preempted(self, worker_exceptions: dict[int, Exception]) -> None:
         # Ray polls a preempted group until its other workers end or the deadline passes, and
