@@ -38,7 +38,7 @@ FLOORS = [  # lowest first: a module imports from its own floor and the floors b
     ROOT,  # the public API (raytrain_loops/__init__.py) alone
 ]
 RAY_FREE_FLOORS = [f"{ROOT}.{f}" for f in ("config", "storage", "streams", "errors", "engine", "callbacks", "data")]
-RAY_FREE_FLOORS += [f"{ROOT}.{f}" for f in ("rundir", "runtime", "console.display", "console.feed")]
+RAY_FREE_FLOORS += [f"{ROOT}.{f}" for f in ("rundir", "runtime", "console.display", "console.feed", "console.deaths")]
 MAX_MODULES = 12
 
 
