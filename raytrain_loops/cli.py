@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import traceback
@@ -29,10 +30,20 @@ def _parser() -> argparse.ArgumentParser:
         help="write a checkpoint (sharded or not) as one state.pt for inference (model, ema, counters), "
         "or, --format hf, as a Hugging Face model directory (hf_lm runs)",
     )
-    export.add_argument("checkpoint", help="a local checkpoint directory (checkpoint_<step>)")
+    export.add_argument(
+        "checkpoint",
+        help="a local checkpoint directory (checkpoint_<step>), or a run directory: its newest intact checkpoint",
+    )
     export.add_argument("out", help="the file to write, e.g. state.pt (--format hf: a directory)")
     export.add_argument("--format", choices=["state", "hf"], default="state", help="state.pt, or hf")
-    export.add_argument("--ema", action="store_true", help="--format hf: the EMA's weights")
+    export.add_argument(
+        "--checkpoint",
+        dest="checkpoint_choice",
+        choices=["newest", "best"],
+        default="newest",
+        help="of a run directory: its newest intact checkpoint, or its best by checkpoint.score_metric (best/)",
+    )
+    export.add_argument("--ema", action="store_true", help="the EMA's weights as the model's (state.pt's model, or hf)")
     evaluate = sub.add_parser(
         "evaluate",
         help="evaluate a checkpoint on its run's eval split with its run's config (config.yaml beside it), "
@@ -76,19 +87,24 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
     from raytrain_loops.config import ConfigError
     from raytrain_loops.engine.checkpoint.files import CheckpointError, export
+    from raytrain_loops.rundir.layout import exported_checkpoint
 
     try:
+        checkpoint, why = exported_checkpoint(args.checkpoint, args.checkpoint_choice)
+        if checkpoint != args.checkpoint:
+            print(f"exporting {checkpoint} ({why})")
         if args.format == "hf":
             from raytrain_loops.tools.export_hf import export_hf
 
-            counters = export_hf(args.checkpoint, args.out, ema=args.ema)
+            counters = export_hf(checkpoint, args.out, ema=args.ema)
             print(f"wrote {args.out}: a Hugging Face model and tokenizer at step {counters.get('step', '?')}")
             return 0
-        written = export(args.checkpoint, args.out)
+        written = export(checkpoint, args.out, ema=args.ema)
     except (CheckpointError, FileNotFoundError, ConfigError) as err:
         return _error(f"cannot export {args.checkpoint}: {err}")
     step = written["counters"].get("step", "?")
-    print(f"wrote {args.out}: {len(written['model'])} model tensors at step {step}")
+    weights = "the EMA's weights as model" if args.ema else "model tensors"
+    print(f"wrote {args.out}: {len(written['model'])} {weights} at step {step}")
     return 0
 
 
@@ -216,9 +232,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _current_directory_on_path() -> None:
+    """A task module beside the user (``task.name=mytask:MyTask``) imports as it would in a script
+    run from there: the current directory on this process's path and, through the environment
+    that a local Ray's processes inherit, on its workers' (a cluster's workers get it from
+    ``submit --working-dir``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *paths])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
+    _current_directory_on_path()
     return VERBS[args.command](args, argv)
 
 

@@ -37,7 +37,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoints_without_importing_ray(tmp_path):
+def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoints_without_importing_ray(tmp_path, capsys):
     out = _cli(
         "train",
         "default",
@@ -80,6 +80,33 @@ def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoin
     names = {k for k in at_84 if k.startswith("eval_")}
     assert {"eval_loss", "eval_accuracy", "eval_ema_loss", "eval_ema_accuracy"} <= names
     assert {k: again[k] for k in names} == {k: at_84[k] for k in names} and again["step"] == 84
+    _export_takes_a_run_directory_its_best_and_the_ema(run, best[0]["checkpoint"], capsys)
+
+
+def _export_takes_a_run_directory_its_best_and_the_ema(run: Path, best: str, capsys) -> None:
+    """``export RUN_DIR``: the newest intact checkpoint (a damaged newer one passed over, named);
+    ``--checkpoint best``: best/'s first; ``--ema``: the EMA's weights as ``model``."""
+    from raytrain_loops.cli import main
+    from raytrain_loops.engine.checkpoint import files as ckpt
+
+    def exported(*args: str) -> tuple[dict, str]:
+        out = run.parent / "exported.pt"
+        assert main(["export", *args, str(out)]) == 0
+        return torch.load(out, weights_only=True), capsys.readouterr().out
+
+    newest = ckpt.read_file(run / "checkpoint_00000126", ckpt.STATE)
+    state, said = exported(str(run))
+    assert f"exporting {run / 'checkpoint_00000126'} (the run's newest intact checkpoint)" in said
+    assert all(torch.equal(state["model"][k], newest["model"][k]) for k in newest["model"])
+    state, said = exported(str(run), "--checkpoint", "best")
+    assert f"exporting {run / 'best' / best} (the run's best by its score metric)" in said
+    assert state["counters"]["step"] == ckpt.step_of(best)
+    state, said = exported(str(run / "checkpoint_00000126"), "--ema")
+    assert "the EMA's weights as model" in said and all(torch.equal(state["model"][k], newest["ema"][k]) for k in newest["ema"])
+    torn = run / "checkpoint_00000126" / ckpt.STATE
+    torn.write_bytes(torn.read_bytes()[:100])
+    state, said = exported(str(run))
+    assert f"exporting {run / 'checkpoint_00000084'} (the run's newest intact checkpoint; passed over: checkpoint_00000126" in said
 
 
 class BrokenCriterion(DigitsTask):

@@ -25,8 +25,13 @@ from raytrain_loops.tasks import DigitsTask
 CLI = [sys.executable, "-m", "raytrain_loops.cli"]
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def _cli(*args: str, timeout: int = 300, cwd: Path | None = None, cli=CLI) -> subprocess.CompletedProcess:
+    return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+# The command a user types: the installed script, whose path (unlike python -m's) does not start
+# with the current directory.
+SCRIPT = [str(Path(sys.executable).parent / "raytrain-loops")]
 
 
 @pytest.mark.ray
@@ -123,14 +128,22 @@ def _assert_a_clean_console(console: str, run_dir: Path) -> None:
 
 @pytest.mark.ray
 def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_path):
+    """Also the user's own task module beside the command (``raytrain-loops``, run from its
+    directory): the driver and the local Ray's workers import it."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mytask.py").write_text("from raytrain_loops.tasks import DigitsTask\n\n\nclass MyDigits(DigitsTask):\n    pass\n")
     out = _cli(
         "train",
         "default",
+        "task.name=mytask:MyDigits",
         "loop.max_steps=6",
         "run.max_failures=1",
         "fault.plan=[{step: 2, rank: 1, kind: kill}, {step: 4, kind: raise}]",
         f"run.storage_path={tmp_path}",
         f"data.dir={tmp_path / 'data'}",
+        cwd=code,
+        cli=SCRIPT,
     )
     console = out.stdout + out.stderr
     assert out.returncode == 1, console[-3000:]
@@ -149,9 +162,9 @@ def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_p
         "raytrain-loops: train failed: " in out.stderr and "fault.plan[1] after step 4" in out.stderr.splitlines()[-1]
     )
     assert "TrainingReport(" not in console and "(TrainController" not in console
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "data"]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name not in ("data", "code")]
     ray_log = (run_dir / "ray.log").read_text()
-    assert "fault.plan[1]" in ray_log
+    assert "fault.plan[1]" in ray_log and "mytask:MyDigits" in (run_dir / "config.yaml").read_text()
     # Ray's whole text of the death: the controller's failed health check with the actor's death cause.
     assert f"{death}\nworker 1: WorkerHealthCheckFailedError: A worker health check failed." in ray_log
     assert "Worker exit type: SYSTEM_ERROR" in ray_log
@@ -252,6 +265,18 @@ def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_compl
 
         return train
 
+    def interrupted_mid_write(config, task, splits, rows, name, run_dir, tracking):
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: None)  # the signal seen, then:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")  # torch.save's
+
+    def interrupted_mid_write_without_a_signal(config, task, splits, rows, name, run_dir, tracking):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
     try:
         overrides = [f"run.storage_path={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}"]
@@ -261,8 +286,16 @@ def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_compl
         monkeypatch.setattr(fit_module, "_train", trains_until(0, 3))
         with pytest.raises(SystemExit) as plain:
             fit(resolve("default"), overrides=overrides)
+        monkeypatch.setattr(fit_module, "_train", interrupted_mid_write)
+        with pytest.raises(RunInterrupted) as mid_write:
+            fit(resolve("default"), overrides=overrides)
+        monkeypatch.setattr(fit_module, "_train", interrupted_mid_write_without_a_signal)
+        with pytest.raises(RuntimeError, match="unexpected pos"):
+            fit(resolve("default"), overrides=overrides)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    # A Ctrl-C that torch.save, mid-write, turned into its own error is the interruption it is.
+    assert mid_write.value.signum == signal.SIGINT and mid_write.value.checkpoint == info.value.checkpoint
     run_dir = Path(info.value.run_dir)
     assert info.value.signum == signal.SIGTERM and Path(info.value.checkpoint) == run_dir / "checkpoint_00000008"
     assert (

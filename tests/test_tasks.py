@@ -63,7 +63,10 @@ def test_a_factory_that_returns_something_else_is_refused():
 def test_unknown_names_and_bad_params_are_config_errors():
     with pytest.raises(ConfigError, match=r"task\.name: 'no_such_task': not a built-in task"):
         build_task("no_such_task", {})
-    with pytest.raises(ConfigError, match=r"task\.name: 'no.such.module:X': cannot import it"):
+    with pytest.raises(ConfigError, match=r"task\.name: 'no.such.module:X': cannot import it") as info:
         build_task("no.such.module:X", {})
+    assert "run the command from the directory that holds no.py (or the no/ package), add that directory to " in str(
+        info.value
+    ) and "submit it with `raytrain-loops submit --working-dir DIR`" in str(info.value)
     with pytest.raises(ConfigError, match=r"task\.params: .*unexpected keyword argument 'nope'"):
         build_task("digits", {"nope": 1})

@@ -139,6 +139,14 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
                 return _train(config, task, splits, rows, name, run_dir, tracking)
             except (KeyboardInterrupt, SystemExit) as err:
                 stop = err
+            except Exception:
+                # A Ctrl-C inside C++ code comes out as that code's error: torch.save, interrupted
+                # mid-write, raises "RuntimeError: [enforce fail at inline_container.cc] ...". After
+                # a SIGINT or SIGTERM, that is the interruption; the torn write is left unnamed (a
+                # checkpoint is written under a hidden name and renamed when complete).
+                if not seen or not seen & {signal.SIGINT, signal.SIGTERM}:
+                    raise
+                stop = KeyboardInterrupt()
         if seen is not None and not seen & {signal.SIGINT, signal.SIGTERM}:
             raise stop  # no signal's: not an interruption
         signum = signal.SIGTERM if seen and signal.SIGTERM in seen else signal.SIGINT

@@ -216,7 +216,15 @@ def _resolve(name: str) -> Any:
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+    except ImportError as err:
+        top = module_name.split(".")[0]
+        raise ConfigError(
+            "task.name",
+            f"{name!r}: cannot import it ({err}). Python looks for {top!r} on its path: run the command from the "
+            f"directory that holds {top}.py (or the {top}/ package), add that directory to PYTHONPATH, or pip "
+            "install it; on a cluster, submit it with `raytrain-loops submit --working-dir DIR`",
+        ) from None
+    except AttributeError as err:
         raise ConfigError("task.name", f"{name!r}: cannot import it ({err})") from None
     _check_factory(name, factory)
     return factory

@@ -361,12 +361,17 @@ def sharded_digest(directory: str | Path) -> str:
     return h.hexdigest()
 
 
-def export(directory: str | Path, out: str | Path) -> dict[str, Any]:
+def export(directory: str | Path, out: str | Path, ema: bool = False) -> dict[str, Any]:
     """Write a single-file ``state.pt`` for inference from a checkpoint (sharded or not): the whole
     model's weights (``model``), the EMA's when there are any (``ema``) and the counters, keyed
-    as the plain model's ``state_dict``. Verifies the checkpoint first and reads it without
+    as the plain model's ``state_dict``; with ``ema``, the EMA's weights as ``model`` (a
+    CheckpointError when the run kept no EMA). Verifies the checkpoint first and reads it without
     running code; returns what it wrote."""
     result = whole_model(directory)
+    if ema:
+        if not result["ema"]:
+            raise CheckpointError(f"{directory} holds no EMA weights (the run had ema.enabled=false)")
+        result = {**result, "model": result["ema"]}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda f: torch.save(result, f))
