@@ -54,13 +54,18 @@ def test_cvnets_batchnorm_momentum_follows_its_schedule_in_the_running_statistic
     bn.register_forward_hook(lambda _m, inputs, _out: batch_means.append(inputs[0].detach().mean((0, 2, 3))))
     batch = _images(32)
     momenta = []
+    ema_bn = engine.ema.module.features[0][1]
     for step in range(total):
-        before = bn.running_mean.clone()
+        before, ema_before = bn.running_mean.clone(), ema_bn.running_mean.clone()
         batch_means.clear()
         assert engine.train_step([batch]).applied
         m = schedule_value(cfg.schedules["bn_momentum"], step, total)
         assert all(layer.momentum == m for layer in model.modules() if isinstance(layer, torch.nn.BatchNorm2d))
         torch.testing.assert_close(bn.running_mean, (1 - m) * before + m * batch_means[0])
+        # ema.buffers=average: the EMA's running statistics follow the weights' momentum (cvnets).
+        e = schedule_value(cfg.schedules["ema_momentum"], step, total)
+        torch.testing.assert_close(ema_bn.running_mean, e * ema_before + (1 - e) * bn.running_mean)
+        assert ema_bn.num_batches_tracked == bn.num_batches_tracked == step + 1
         momenta.append(m)
     assert momenta[0] == pytest.approx(0.1) and momenta[-1] == pytest.approx(0.01)
     assert momenta == sorted(momenta, reverse=True)

@@ -238,7 +238,8 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     """Build config class ``cls`` from a plain dict; unknown keys and bad values raise ConfigError.
 
     Fields of type ``dict[str, Section]`` merge the given entries over the default entries, so a
-    recipe that sets ``schedules.lr`` keeps the default ``schedules.weight_decay``.
+    recipe that sets ``schedules.lr`` keeps the default ``schedules.weight_decay``. A key of the
+    class's ``RETIRED`` mapping (a key that was replaced) raises ConfigError with its message.
     """
     data = {} if data is None else data
     if not isinstance(data, dict):
@@ -249,6 +250,8 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     for raw_key, value in data.items():
         key = str(raw_key)
         full = f"{prefix}.{key}" if prefix else key
+        if key in getattr(cls, "RETIRED", {}):  # a replaced key: say what replaces it
+            raise ConfigError(full, cls.RETIRED[key])
         if key not in fields:
             raise ConfigError(full, _unknown(key, full, value, fields))
         tp = hints[key]

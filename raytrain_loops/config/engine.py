@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from raytrain_loops.config.base import ConfigError, at_least, opt
 from raytrain_loops.config.tracking import MlflowConfig
@@ -152,7 +152,18 @@ class AccumConfig:
     """Gradient accumulation: micro-batches per optimizer update."""
 
     steps: int = opt(1, "Micro-batches per optimizer update on each worker.")
-    start_epoch: int = opt(0, "Accumulate only from this epoch on; before it one micro-batch per update (cvnets).")
+    start_epoch: int = opt(
+        0,
+        "Accumulate only from this epoch on (epochs count from 0); before it one micro-batch per update. "
+        "cvnets' accum_after_epoch=A accumulates in epochs after A: start_epoch=A+1.",
+    )
+    reduce: Literal["mean", "sum"] = opt(
+        "mean",
+        "How an update's micro-batches combine under loss.reduction=mean. mean: the gradient of their mean loss "
+        "(the update does not depend on accum.steps); sum (cvnets): the sum of each micro-batch's mean-loss "
+        "gradient, accum.steps times the mean's (the same sum of accum.steps micro-batches' worth when an "
+        "elastic group runs more, smaller ones). Equal before accum.start_epoch; loss.reduction=sum takes mean.",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "steps")
@@ -205,9 +216,19 @@ class FreezeConfig:
 class EMAConfig:
     """Exponential moving average of the weights (model EMA, or a DINO momentum teacher)."""
 
+    # A key that was replaced: reading it raises a ConfigError naming its replacement.
+    RETIRED: ClassVar[dict[str, str]] = {
+        "copy_buffers": "was replaced by ema.buffers: copy_buffers=true is ema.buffers=copy, "
+        "copy_buffers=false is ema.buffers=keep (ema.buffers=average also averages them, as cvnets)",
+    }
+
     enabled: bool = opt(False, "Keep an EMA copy; its momentum is schedules.ema_momentum.")
-    copy_buffers: bool = opt(
-        True, "Copy buffers (e.g. BatchNorm statistics) into the EMA instead of averaging nothing."
+    buffers: Literal["average", "copy", "keep"] = opt(
+        "copy",
+        "The model's buffers (BatchNorm running statistics) in the EMA. average: the same moving average as the "
+        "parameters (cvnets), integer buffers (num_batches_tracked) copied, as they cannot be averaged; copy: "
+        "the model's, copied at each EMA update; keep: the EMA's own, never touched by the update (DINO's "
+        "teacher, which normalises with its own batch statistics).",
     )
     every: int = opt(1, "Update the EMA every this many optimizer steps.")
 
@@ -331,6 +352,7 @@ class EngineConfig:
     schedules: dict[str, Schedule] = field(default_factory=default_schedules)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    accum: AccumConfig = field(default_factory=AccumConfig)  # accum.reduce, and the update's micro-batches
     clip: ClipConfig = field(default_factory=ClipConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)

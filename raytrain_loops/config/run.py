@@ -321,6 +321,12 @@ class Config:
                         f"local mode runs one worker in this process: no kill (it would kill the caller) and no rank "
                         f"above 0; got kind={f.kind}, rank={f.rank}",
                     )
+        if self.accum.reduce == "sum" and self.loss.reduction == "sum":
+            raise ConfigError(
+                "accum.reduce",
+                "sum adds the micro-batches' mean-loss gradients (loss.reduction=mean); under loss.reduction=sum "
+                "the gradients are already summed and divided by the total sample_size: set accum.reduce=mean",
+            )
         for name in ("lr", "weight_decay", "ema_momentum"):
             if name not in self.schedules:
                 raise ConfigError(f"schedules.{name}", "is required")

@@ -212,7 +212,7 @@ class DinoTask(DigitsTask):
     The data (Parquet writer, splits, collate) is the digits task's.
 
     Reads ``schedules.teacher_temp`` from ``ctx.values`` and needs ``ema.enabled=true`` (the
-    teacher) with ``ema.copy_buffers=false``: the teacher normalises with its own batch statistics
+    teacher) with ``ema.buffers=keep``: the teacher normalises with its own batch statistics
     in training, as in DINO, and keeps its own running statistics for evaluation.
     """
 

@@ -40,6 +40,7 @@ from raytrain_loops.config.engine import EngineConfig
 from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
 from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.distributed import collectives, sharding, step_sync
+from raytrain_loops.engine.length import accum_steps
 from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import schedules
 from raytrain_loops.engine.optim.ema import EMA
@@ -117,7 +118,7 @@ def _optimizer_scaler_ema(
             "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
             "(FSDP modules cannot be deep-copied)"
         )
-    ema = EMA(module, config.ema.copy_buffers, ema_module) if config.ema.enabled else None
+    ema = EMA(module, config.ema.buffers, ema_module) if config.ema.enabled else None
     return optimizer, scaler, ema
 
 
@@ -248,6 +249,9 @@ class Engine:
     def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> LocalSums:
         """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
         k = len(micro_batches)
+        # accum.reduce=sum: the sum of the epoch's accum.steps micro-batches' mean-loss gradients
+        # (k of them, or more when an elastic group runs more per worker); mean: their mean.
+        divisor = k / accum_steps(self.config.accum, self.epoch) if self.config.accum.reduce == "sum" else k
         local = LocalSums()
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
@@ -266,7 +270,7 @@ class Engine:
                     with autocast(self.config.precision, self.device):
                         out = self.loss_fn(self.model, batch, ctx)
                     backward = True
-                    self.scaler.scale(out.loss / k if self._mean else out.loss).backward()
+                    self.scaler.scale(out.loss / divisor if self._mean else out.loss).backward()
             except Exception as err:
                 if not is_oom(err):
                     raise
