@@ -137,18 +137,15 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         with _signals_seen() as seen:
             try:
                 return _train(config, task, splits, rows, name, run_dir, tracking)
-            except (KeyboardInterrupt, SystemExit) as err:
+            except (KeyboardInterrupt, SystemExit, Exception) as err:
                 stop = err
-            except Exception:
-                # A Ctrl-C inside C++ code comes out as that code's error: torch.save, interrupted
-                # mid-write, raises "RuntimeError: [enforce fail at inline_container.cc] ...". After
-                # a SIGINT or SIGTERM, that is the interruption; the torn write is left unnamed (a
-                # checkpoint is written under a hidden name and renamed when complete).
-                if not seen or not seen & {signal.SIGINT, signal.SIGTERM}:
-                    raise
-                stop = KeyboardInterrupt()
-        if seen is not None and not seen & {signal.SIGINT, signal.SIGTERM}:
-            raise stop  # no signal's: not an interruption
+        interrupted = seen is None or bool(seen & {signal.SIGINT, signal.SIGTERM})
+        # A Ctrl-C inside C++ code comes out as that code's error (torch.save, interrupted mid-write:
+        # "RuntimeError: [enforce fail at inline_container.cc] ..."): after a SIGINT or SIGTERM, it
+        # is the interruption. The torn write is no checkpoint: one is written under a hidden name
+        # and renamed when complete.
+        if not interrupted or (seen is None and isinstance(stop, Exception)):
+            raise stop  # no signal's (or, off the main thread, an error): not an interruption
         signum = signal.SIGTERM if seen and signal.SIGTERM in seen else signal.SIGINT
         raise RunInterrupted(run_dir, last_checkpoint(run_dir), signum) from None
 
