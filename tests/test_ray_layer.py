@@ -25,8 +25,8 @@ from raytrain_loops.tasks import DigitsTask
 CLI = [sys.executable, "-m", "raytrain_loops.cli"]
 
 
-def _cli(*args: str, timeout: int = 300, cwd: Path | None = None, cli=CLI) -> subprocess.CompletedProcess:
-    return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def _cli(*args: str, timeout: int = 300, cwd: Path | None = None, cli=CLI, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 # The command a user types: the installed script, whose path (unlike python -m's) does not start
@@ -35,7 +35,7 @@ SCRIPT = [str(Path(sys.executable).parent / "raytrain-loops")]
 
 
 @pytest.mark.ray
-def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
+def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, tmp_path):
     out = _cli(
         "train",
         "default",
@@ -98,7 +98,14 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(tmp_path):
     # ``evaluate`` of checkpoint 42 on 2 Ray workers, as a group resumed there would: the run's
     # evaluation at step 42, figure for figure (every worker evaluated with rank 0's BatchNorm
     # statistics, which the checkpoint holds).
-    out = _cli("evaluate", str(run_dir / "checkpoint_00000042"), "--out", str(tmp_path / "eval42.json"))
+    # It joins the session's Ray (RAY_ADDRESS, as on a cluster): a local Ray's start fewer.
+    out = _cli(
+        "evaluate",
+        str(run_dir / "checkpoint_00000042"),
+        "--out",
+        str(tmp_path / "eval42.json"),
+        env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     again = json.loads((tmp_path / "eval42.json").read_text())
     names = {k for k in evals[1] if k.startswith("eval_")}
