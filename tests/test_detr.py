@@ -214,6 +214,10 @@ def test_a_nonfinite_detr_loss_stops_naming_its_terms_not_a_matching_error(tmp_p
         count_keys=task.count_keys,
     )
     assert engine.train_step([batch]).applied
+    # DETR's AdamW decays both groups: the backbone's (at 0.1x the lr) as the rest.
+    groups = engine.optimizer.param_groups
+    assert len(groups) == 2 and [g["weight_decay"] for g in groups] == [1.0e-4, 1.0e-4]
+    assert groups[1]["lr"] == pytest.approx(0.1 * groups[0]["lr"]) or groups[0]["lr"] == pytest.approx(0.1 * groups[1]["lr"])
     with torch.no_grad():
         model.box_head[-1].bias.fill_(float("nan"))  # every predicted box is NaN
     with pytest.raises(NonFiniteError, match=r"module 'box_head.*loss_bbox=nan.*loss_ce=\d"):

@@ -223,3 +223,14 @@ def test_the_recipe_counts_every_token_it_trains_on(ray_session, tmp_path):
     valid_rows = pq.read_table(splits["eval"].path).column("tokens").to_pylist()
     baseline = sum(bits[np.frombuffer(r, dtype=np.uint8)].sum() for r in valid_rows) / sum(map(len, valid_rows))
     assert abs(baseline - metrics["eval_unigram_bpb"]) < 1e-4, (baseline, metrics)
+
+
+def test_the_recipe_decays_every_parameter_as_fairseqs_one_group():
+    """fairseq's optimizer has one group, weight decay on every parameter (biases and LayerNorm too)."""
+    cfg = load_config(resolve("lm"), ["precision.dtype=fp32"])
+    task = LMTask(dim=32, layers=1, heads=2, max_len=32)
+    model = task.build_model()
+    engine = Engine(model, task.criterion, cfg.engine, total_steps=4)
+    (group,) = engine.optimizer.param_groups
+    assert group["decay"] and len(group["params"]) == len(list(model.parameters()))
+    assert any(n.endswith("bias") for n in group["param_names"]) and cfg.schedules["weight_decay"].value == 0.01

@@ -305,7 +305,11 @@ def test_seamseg_recipe_is_built_in_with_its_command():
     assert cfg.task.params["loss_weights"] == [1.0, 1.0, 2.0]
     assert len(set(cfg.task.params["widths"])) >= 2
     assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, False)
-    build_task(cfg.task.name, cfg.task.params)
+    task = build_task(cfg.task.name, cfg.task.params)
+    # seamseg decays biases and norm parameters too (its weight_decay_norm defaults to yes): one group.
+    model = task.build_model()
+    (group,) = Engine(model, task.criterion, cfg.engine, total_steps=4).optimizer.param_groups
+    assert group["decay"] and len(group["params"]) == len(list(model.parameters()))
 
 
 @pytest.mark.ray
