@@ -43,14 +43,16 @@ def checked_checkpoint(path: str) -> str:
     checksums, a sharded one's metadata; one in an object store is checked by the workers that
     read it). Raises :class:`EvaluateError` naming it."""
     if storage.is_uri(path):
-        if not storage.exists(storage.join(path, "manifest.rank0.json")):
-            raise EvaluateError(f"{path} is not a checkpoint: it holds no manifest.rank0.json")
+        if not storage.exists(storage.join(path, ckpt_files.manifest_name(0))):
+            raise EvaluateError(f"{path} is not a checkpoint: it holds no {ckpt_files.manifest_name(0)}")
         return path.rstrip("/")
     local = Path(path).expanduser().resolve()
     if not local.is_dir():
         raise EvaluateError(f"{path} is not a checkpoint: no such directory")
-    if not (local / "manifest.rank0.json").is_file():
-        raise EvaluateError(f"{path} is not a checkpoint: it holds no manifest.rank0.json (a run's checkpoint_<step>)")
+    if not (local / ckpt_files.manifest_name(0)).is_file():
+        raise EvaluateError(
+            f"{path} is not a checkpoint: it holds no {ckpt_files.manifest_name(0)} (a run's checkpoint_<step>)"
+        )
     try:
         ckpt_files.verify(local)
         if ckpt_files.is_sharded(local):

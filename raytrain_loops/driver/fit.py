@@ -31,6 +31,7 @@ from raytrain_loops.driver.run_dir import (
     unfinish,
 )
 from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
+from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.rundir.layout import PRECISION_FILE, SUMMARY, checkpoint_dirs
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
 from raytrain_loops.tasks import Task
@@ -85,10 +86,10 @@ def last_checkpoint(run_dir: str) -> str | None:
     verified when a run resumes from it); None when there is none."""
     for path in reversed(checkpoint_dirs(run_dir)):
         try:
-            world = int(json.loads(storage.read_text(storage.join(path, "manifest.rank0.json")) or "{}")["world_size"])
+            world = int(json.loads(storage.read_text(storage.join(path, ckpt_files.manifest_name(0))) or "{}")["world_size"])
         except (ValueError, KeyError, TypeError):
             continue
-        if all(storage.exists(storage.join(path, f"manifest.rank{rank}.json")) for rank in range(1, world)):
+        if all(storage.exists(storage.join(path, ckpt_files.manifest_name(rank))) for rank in range(1, world)):
             return path
     return None
 

@@ -28,12 +28,14 @@ def exported_checkpoint(path: str, which: str = "newest") -> tuple[str, str]:
     run directory its newest intact checkpoint (``which="newest"``, damaged ones passed over) or
     the best by ``checkpoint.score_metric`` (``which="best"``, from ``best/best.json``). Returns
     (checkpoint, why it was chosen); a CheckpointError naming the path when there is none."""
-    if storage.exists(storage.join(path, "manifest.rank0.json")):
+    if storage.exists(storage.join(path, ckpt_files.manifest_name(0))):
         if which == "best":
             raise ckpt_files.CheckpointError(f"{path} is a checkpoint: --checkpoint best takes a run directory")
         return path, "as given"
     if not storage.exists(storage.join(path, "config.yaml")):
-        raise ckpt_files.CheckpointError(f"{path} is neither a checkpoint (no manifest.rank0.json) nor a run directory")
+        raise ckpt_files.CheckpointError(
+            f"{path} is neither a checkpoint (no {ckpt_files.manifest_name(0)}) nor a run directory"
+        )
     if which == "best":
         ranking = storage.read_text(storage.join(path, "best", "best.json"))
         if not ranking or not json.loads(ranking):

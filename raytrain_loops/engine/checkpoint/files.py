@@ -29,6 +29,12 @@ class CheckpointError(RuntimeError):
     partial = False  # set when a load failed after it had begun writing into the engine's state
 
 
+
+def manifest_name(rank: int) -> str:
+    """The file a checkpoint's worker ``rank`` writes last, listing its files (a checkpoint is
+    complete when every worker's is there)."""
+    return f"manifest.rank{rank}.json"
+
 def digest(state: dict[str, torch.Tensor]) -> str:
     """A SHA-256 of a state dict's names and tensor bytes: equal digests, equal weights."""
     h = hashlib.sha256()
@@ -72,7 +78,7 @@ def write_files(
         _atomic_write(d / name, lambda f, obj=obj: torch.save(obj, f))
         manifest[name] = {"bytes": (d / name).stat().st_size, "sha256": _sha256(d / name)}
     body = json.dumps({"rank": rank, "world_size": world_size, "files": manifest}, indent=1).encode()
-    _atomic_write(d / f"manifest.rank{rank}.json", lambda f: f.write(body))
+    _atomic_write(d / manifest_name(rank), lambda f: f.write(body))
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -103,9 +109,9 @@ def verify(directory: str | Path) -> int:
     """Raise :class:`CheckpointError` unless every writer's manifest and every file it lists
     are intact; return the number of workers that wrote the checkpoint."""
     d = Path(directory)
-    world_size = _manifest(d / "manifest.rank0.json")["world_size"]
+    world_size = _manifest(d / manifest_name(0))["world_size"]
     for rank in range(world_size):
-        for name, meta in _manifest(d / f"manifest.rank{rank}.json")["files"].items():
+        for name, meta in _manifest(d / manifest_name(rank))["files"].items():
             f = d / name
             if not f.is_file():
                 raise CheckpointError(f"{f}: listed in the manifest but missing")
@@ -353,9 +359,9 @@ def sharded_digest(directory: str | Path) -> str:
     :func:`verify` checked): equal digests, the same shards."""
     d = Path(directory)
     h = hashlib.sha256()
-    world = _manifest(d / "manifest.rank0.json")["world_size"]
+    world = _manifest(d / manifest_name(0))["world_size"]
     for rank in range(world):
-        for name, meta in sorted(_manifest(d / f"manifest.rank{rank}.json")["files"].items()):
+        for name, meta in sorted(_manifest(d / manifest_name(rank))["files"].items()):
             if name.startswith(f"{DCP_DIR}/"):
                 h.update(f"{name}:{meta['sha256']}".encode())
     return h.hexdigest()
