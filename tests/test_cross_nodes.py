@@ -111,6 +111,7 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
         "loop.max_steps=12",
         "eval.every_steps=4",
         "checkpoint.every_steps=4",
+        "run.coalesce_reports=false",  # checkpoints 4, 8 and 12, however slowly Ray takes them
         "checkpoint.keep=2",
         "checkpoint.score_metric=eval_accuracy",
         "run.max_failures=1",

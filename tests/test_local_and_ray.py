@@ -34,7 +34,13 @@ def _config(tmp_path: Path, name: str, workers: int, interrupted: bool = True) -
         "checkpoint": {"every_steps": 21},
         "scaling": {"num_workers": workers},
         "logging": {"every_steps": 21},
-        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "progress": False, "report_every_steps": 21},
+        "run": {
+            "name": name,
+            "storage_path": str(tmp_path / "runs"),
+            "progress": False,
+            "report_every_steps": 21,
+            "coalesce_reports": False,  # the checkpoint at the cut, however slowly Ray takes reports
+        },
         "fault": {"plan": [{"step": CUT, "kind": "raise"}] if interrupted else []},
     }
 

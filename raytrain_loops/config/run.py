@@ -220,6 +220,13 @@ class RunConfig:
         "from max_failures; -1: unlimited (Ray's default).",
     )
     report_every_steps: int = opt(50, "Report metrics to Ray every this many steps (a report costs up to ~2 s).")
+    coalesce_reports: bool = opt(
+        True,
+        "Skip a periodic report to Ray (metrics, an evaluation, a checkpoint) while its controller has not yet taken "
+        "the one before (it takes one per poll, every 0.5 s on a local Ray): a cadence faster than that neither "
+        "slows the run nor queues checkpoints an interruption would lose. Never the final report, nor a "
+        "preemption's checkpoint; false: every report the cadences ask for.",
+    )
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
     allow_config_change: bool = opt(
         False,

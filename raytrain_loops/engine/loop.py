@@ -26,6 +26,7 @@ import torch
 from raytrain_loops.config.engine import AccumConfig
 from raytrain_loops.config.run import Config
 from raytrain_loops.engine.api import StepResult
+from raytrain_loops.engine.coalesce import Coalescing
 from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
@@ -74,7 +75,11 @@ class BatchSource(Protocol):
 
 class Reporter(Protocol):
     """Where the loop's results go. ``report`` is called on every worker at the same points;
-    with ``checkpoint`` (the data position after this step) it also saves the engine's state."""
+    with ``checkpoint`` (the data position after this step) it also saves the engine's state.
+    A reporter whose reports are taken one at a time may also have ``in_flight()`` (whether one
+    of its reports is not taken yet: the loop then skips periodic ones,
+    :mod:`raytrain_loops.engine.coalesce`) and ``skipped(last_sent, step)``, told of the first
+    report skipped."""
 
     def report(self, metrics: dict[str, float], checkpoint: Position | None) -> None: ...
 
@@ -159,6 +164,7 @@ class LoopSettings:
     report_every: int = 50
     log_every: int = 10
     bn_buffers: str = "broadcast"  # how evaluations make the workers' buffers the same (eval.bn_buffers)
+    coalesce: bool = True  # skip a periodic report while the reporter has one in flight (run.coalesce_reports)
 
     @classmethod
     def of(cls, config: Config) -> LoopSettings:
@@ -170,6 +176,7 @@ class LoopSettings:
             report_every=config.run.report_every_steps,
             log_every=config.logging.every_steps,
             bn_buffers=config.eval.bn_buffers,
+            coalesce=config.run.coalesce_reports,
         )
 
 
@@ -288,6 +295,7 @@ class Loop:
         self.eval_step: int | None = None  # the step of that evaluation
         self.last_epoch: dict[str, float] = {}  # the latest finished epoch's averages, carried by every report
         self.calls = 0
+        self.coalescing = Coalescing(settings.coalesce)
 
     @property
     def total(self) -> int:
@@ -363,7 +371,7 @@ class Loop:
         asked = [cb.checkpoint_now(engine.step) for cb in self.callbacks]
         checkpoint_now = _due(s.checkpoint_every, engine.step) or any(asked)
         if evaluate_now or checkpoint_now or _due(s.report_every, engine.step):
-            self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now)
+            self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now, forced=any(asked))
 
     def _reduce_metrics(self) -> dict[str, float]:
         """The interval's metrics over all workers: the engine's meters with what the callbacks
@@ -376,8 +384,20 @@ class Loop:
             metrics.update(cb.interval_metrics(metrics))
         return metrics
 
-    def _report(self, position: Position, *, evaluate_now: bool, checkpoint_now: bool, done: bool = False) -> None:
+    def _in_flight(self) -> bool:
+        """Whether any worker's reporter has a report in flight: the same answer on every worker."""
+        ask = getattr(self.reporter, "in_flight", None)
+        if ask is None:  # the same reporter on every worker: none of them asks
+            return False
+        votes = torch.tensor([float(ask())], device=collectives.collective_device())
+        return collectives.all_reduce_sum(votes).item() > 0
+
+    def _report(
+        self, position: Position, *, evaluate_now: bool, checkpoint_now: bool, done: bool = False, forced: bool = False
+    ) -> None:
         engine = self.engine
+        sent = self.coalescing.goes_out(engine.step, final=done, forced=forced, in_flight=self._in_flight)
+        checkpoint_now = checkpoint_now and sent
         evaluating = evaluate_now and self.source.has_eval
         if evaluating or checkpoint_now:  # a checkpoint without an evaluation holds rank 0's
             sync_buffers(engine, self.settings.bn_buffers if evaluating else "broadcast")
@@ -392,6 +412,11 @@ class Loop:
             self.eval_step = engine.step
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)
+        if not sent:
+            tell = getattr(self.reporter, "skipped", None)
+            if self.coalescing.skipped == 1 and tell is not None:
+                tell(self.coalescing.last_sent, engine.step)
+            return
         # Every report carries the latest evaluation, so a sweep's metric is in each of them.
         metrics = {**self.metrics, **self.last_epoch, **({"done": 1.0} if done else {}), **self.last_eval}
         metrics.update(step=engine.step, epoch=engine.epoch)

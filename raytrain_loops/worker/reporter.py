@@ -4,21 +4,61 @@ files, and the restore of a run's newest intact checkpoint (the workers' agreeme
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Any
 
 import ray
 import ray.train
 
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.engine import Engine
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.worker.batches import PREPROCESSED_ON
 
+POLL_S_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train's controller polls its workers this often
+RAY_POLL_S = 2.0  # Ray's default
+
+
+def skipping_note(last_sent: int | None, step: int, poll_s: float) -> str:
+    """The console's one line on the first periodic report skipped while one was in flight."""
+    gap = step - last_sent if last_sent is not None else None
+    every = f"at step {step}" if gap is None else "every step" if gap == 1 else f"every {gap} steps"
+    return (
+        f"checkpoints and reports {every} come faster than Ray registers them (one per {poll_s:g} s): a periodic "
+        "one is skipped while the one before is in flight, never the final one or a preemption's "
+        "(run.coalesce_reports=false keeps them all)"
+    )
+
 
 class RayReporter(CheckpointReporter):
     """Writes this worker's part of a checkpoint and reports it to Ray; restores the run's newest
-    intact checkpoint."""
+    intact checkpoint. ``sender``: rank 0's console."""
+
+    def __init__(self, engine: Engine, rank: int, world: int, run_dir: str, sender: Sender | None = None):
+        super().__init__(engine, rank, world, run_dir)
+        self.sender = sender
+
+    def in_flight(self) -> bool:
+        """Whether a report of this worker's is not yet taken by Ray Train's controller: uploading,
+        waiting for its turn, or in the worker's result queue (one place: the controller takes one
+        report per poll). Read from Ray's training context, which has no public reading of it;
+        where that is not as this expects, False (every report goes out)."""
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            context = get_train_context()
+            made, queued = context.report_call_index, context.current_report_index
+            return made > queued or context.get_result_queue().qsize() > 0
+        except (ImportError, AttributeError, RuntimeError):
+            return False
+
+    def skipped(self, last_sent: int | None, step: int) -> None:
+        """The loop skipped its first report (every worker's reporter is told): rank 0 says so."""
+        if self.rank == 0 and self.sender is not None:
+            self.sender.send("start", skipping_note(last_sent, step, float(os.environ.get(POLL_S_ENV, RAY_POLL_S))))
 
     def report(self, metrics: dict[str, Any], checkpoint: Position | None) -> None:
         """``ray.train.report`` on every worker; with a checkpoint when ``checkpoint`` (the data

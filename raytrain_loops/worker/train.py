@@ -106,7 +106,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
             sender,
             prepare_model=prepare_model,
             batches=ray_batches,
-            reporter=functools.partial(RayReporter, rank=rank, world=world, run_dir=payload.run_dir),
+            reporter=functools.partial(RayReporter, rank=rank, world=world, run_dir=payload.run_dir, sender=sender),
             before_data=functools.partial(_check_stops, payload),
         )
     except _StoppedEarlier as earlier:
