@@ -89,6 +89,7 @@ def test_checkpoint_names_sort_by_step_then_by_rewrite():
         "checkpoint_00000018-3",
     ]
     assert ckpt.step_of("checkpoint_00000040-2") == 40 and ckpt.step_of("checkpoint_manager_snapshot.json") == -1
+    assert ckpt.step_of("checkpoint_000002") == -1  # Tune's copy, in a sweep trial's run directory
 
 
 def test_the_spike_detector_waits_for_history_then_calls_a_jump():

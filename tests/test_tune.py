@@ -75,7 +75,7 @@ TINY = ["schedules.lr.warmup_steps=0", "logging.every_steps=5"]
 
 
 @pytest.mark.ray
-def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_session, tmp_path):
+def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_session, tmp_path, capfd):
     from raytrain_loops import tune
 
     sweep = _sweep(
@@ -109,8 +109,27 @@ def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_sess
     assert recipe.schedules["lr"].value == 3.0e-3 and recipe.scaling.num_workers == 1  # the sweep's trial section
     assert recipe.run.storage_path == load_config(resolve("default")).run.storage_path
     assert (Path(result.sweep_dir) / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
-    # Each trial's Train run (checkpoints, logs) lives under the sweep.
-    assert sorted(p.name for p in (Path(result.sweep_dir) / "trials").iterdir()) == list(table["trial"].sort_values())
+    # Each trial's Train run is its trial's directory, one tree under the sweep, and a complete run
+    # directory: the one ASHA stopped too (its summary written by the sweep, from its last report).
+    sweep_dir = Path(result.sweep_dir)
+    assert sorted(p.name for p in sweep_dir.glob("trial*")) == list(table["trial"].sort_values())
+    for _, row in table.iterrows():
+        run_dir = sweep_dir / row["trial"]
+        assert (run_dir / "params.json").is_file() and (run_dir / "metrics.jsonl").is_file()  # Tune's and ours
+        assert load_config(run_dir / "config.yaml").schedules["lr"].value == row["schedules.lr.value"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["metrics"]["step"] == row["steps"] and "trial_id" not in summary["metrics"]
+        assert summary["metrics"]["eval_accuracy"] == pytest.approx(row["eval_accuracy"])
+        if row["steps"] == 60:  # the run that ended its own way: its final checkpoint
+            assert Path(summary["checkpoint"]) == run_dir / "checkpoint_00000060"
+        assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The console is a run's: the trials' lines; Ray's own output, Tune's box and its TensorBoard
+    # hint into Ray's temporary directory among it, in the sweep's ray.log.
+    out, err = capfd.readouterr()
+    assert "trial_00001 stopped by the scheduler at step " in out, out[-3000:]
+    for ray_only in ("Configuration for experiment", "tensorboard --logdir", "PlacementGroupCleaner", "\x1b["):
+        assert ray_only not in out + err, (ray_only, out[-3000:], err[-3000:])
+    assert "Configuration for experiment" in (sweep_dir / "ray.log").read_text()
 
     # One MLflow run per trial in the sweep's experiment, ended even when ASHA stopped the trial.
     from mlflow import MlflowClient
@@ -144,7 +163,7 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     overrides = [*TINY, "loop.max_steps=20", "checkpoint.keep=10", f"data.dir={tmp_path / 'data'}"]
     result = tune(resolve("default"), sweep, overrides=overrides)
 
-    trials = Path(result.sweep_dir) / "trials"
+    trials = Path(result.sweep_dir)
     handed = sorted(trials.glob("*-from-*/init.json"))
     assert handed, sorted(p.name for p in trials.iterdir())
     sources = {}
@@ -157,6 +176,9 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
             if ckpt.digest(ckpt.read_file(d, ckpt.STATE)["model"]) == loaded
         }
     assert all(sources.values()), sources
+    for continued in {init.parent for init in handed}:  # each a complete run directory of its own
+        assert json.loads((continued / "summary.json").read_text())["metrics"]["step"] == 20
+        assert (continued / "config.yaml").is_file() and (continued / "curves.png").is_file()
     # An exploit: a trial continued from another trial's weights (a paused trial resumes from its own).
     assert any(src - {name.split("-from-")[0]} for name, src in sources.items()), sources
 
@@ -183,7 +205,7 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(ray_session, tmp_pat
         sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=20",
         f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),
     ]  # fmt: skip
-    trials = tmp_path / "sweeps" / "resumable" / "trials"
+    trials = tmp_path / "sweeps" / "resumable"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 240
@@ -192,11 +214,18 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(ray_session, tmp_pat
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.5)
     first.send_signal(signal.SIGINT)
-    first.communicate(timeout=120)
+    interrupted = first.communicate(timeout=120)[0]
 
     second = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming the sweep" in second.stdout
+    # A sweep's console is a run's (Ray's output in the sweep's ray.log); a resumed one's trial
+    # lines too.
+    assert "trial_00000 finished at step 20: eval_accuracy " in interrupted, interrupted[-3000:]
+    assert "trial_00001 finished at step 20: eval_accuracy " in second.stdout, second.stdout[-3000:]
+    for console in (interrupted, second.stdout + second.stderr):
+        for ray_only in ("Configuration for experiment", "tensorboard --logdir", "PlacementGroupCleaner", "\x1b["):
+            assert ray_only not in console, (ray_only, console[-3000:])
     sweep_dir = tmp_path / "sweeps" / "resumable"
     table = pd.read_csv(sweep_dir / "results.csv")
     assert sorted(table["trial"]) == ["trial_00000", "trial_00001"] and (table["steps"] == 20).all(), table
@@ -220,7 +249,9 @@ def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path
         base,
     )
     trial = trial_base(base, sweep, sweep_dir)
-    assert trial.run.storage_path == str(Path(sweep_dir) / "trials")
+    assert trial.run.storage_path == sweep_dir  # each run in its trial's directory
+    # PBT hands over the checkpoint of each decision's step: every report goes out.
+    assert base.run.coalesce_reports and not trial.run.coalesce_reports
     assert (trial.scaling.num_workers, trial.scaling.cpus_per_worker) == (1, 0.5)  # the sweep's trial section
     assert (trial.run.name, trial.run.progress) == ("", False)
     assert trial.eval.every_steps == trial.run.report_every_steps == trial.checkpoint.every_steps == 7

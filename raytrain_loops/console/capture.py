@@ -25,8 +25,8 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout, suppress
 from typing import Any
 
 from raytrain_loops import storage
@@ -65,6 +65,25 @@ class RayLog:
             with open(self.path) as f:
                 storage.write_text(storage.join(self.run_dir, "ray.log"), f.read())
             shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+class _PrintsToRayLog:
+    """A stream for ``print``: whole lines to ``ray.log``."""
+
+    def __init__(self, log: RayLog):
+        self.log, self._pending = log, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self.log.write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip():
+            self.log.write(self._pending)
+        self._pending = ""
 
 
 class _ToRayLog(logging.Handler):
@@ -202,6 +221,22 @@ class Console:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = showwarning
+
+    @contextmanager
+    def prints_to_log(self) -> Iterator[None]:
+        """What the block prints to ``sys.stdout`` (Ray Tune's own lines on the driver: its box of
+        the experiment's configuration, its TensorBoard hint into Ray's temporary directory, its
+        status tables) goes to ``ray.log`` (unless ``verbose``). The display keeps the stream it
+        was made with."""
+        if self.log is None:
+            yield
+            return
+        stream = _PrintsToRayLog(self.log)
+        try:
+            with redirect_stdout(stream):
+                yield
+        finally:
+            stream.flush()
 
     def divert_forwarded(self) -> None:
         """Once Ray is up: the workers' forwarded output to ``ray.log`` (unless ``verbose``).

@@ -86,7 +86,9 @@ def last_checkpoint(run_dir: str) -> str | None:
     verified when a run resumes from it); None when there is none."""
     for path in reversed(checkpoint_dirs(run_dir)):
         try:
-            world = int(json.loads(storage.read_text(storage.join(path, ckpt_files.manifest_name(0))) or "{}")["world_size"])
+            world = int(
+                json.loads(storage.read_text(storage.join(path, ckpt_files.manifest_name(0))) or "{}")["world_size"]
+            )
         except (ValueError, KeyError, TypeError):
             continue
         if all(storage.exists(storage.join(path, ckpt_files.manifest_name(rank))) for rank in range(1, world)):
@@ -133,7 +135,7 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
             return _finished_result(run_dir, done)
         unfinish(run_dir)
         changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
-        storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+        write_config(run_dir, config)
         record_changes(run_dir, changes, config.run.allow_config_change)
         with _signals_seen() as seen:
             try:
@@ -155,6 +157,28 @@ def _precision(run_dir: str) -> str | None:
     """The dtype the run trained in, as its workers recorded it."""
     text = storage.read_text(storage.join(run_dir, PRECISION_FILE))
     return json.loads(text).get("dtype") if text else None
+
+
+def write_config(run_dir: str, config: Config) -> None:
+    """``config.yaml``: the run's resolved config, a recipe ``raytrain-loops train`` accepts."""
+    storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def write_summary(run_dir: str, metrics: dict[str, Any], checkpoint: str | None, wall: float) -> None:
+    """What a run that ended leaves beside its logs: ``summary.json`` (its last metrics, its last
+    checkpoint, the dtype it trained in) and, for a local run directory, ``curves.png``."""
+    summary = {
+        "run_dir": run_dir,
+        "wall_time_s": round(wall, 2),
+        "checkpoint": checkpoint,
+        "precision": _precision(run_dir),
+        "metrics": metrics,
+    }
+    storage.write_text(storage.join(run_dir, SUMMARY), json.dumps(summary, indent=2, default=float) + "\n")
+    if not storage.is_uri(run_dir):
+        from raytrain_loops.driver.plots import plot_run
+
+        plot_run(run_dir)
 
 
 def _finished_result(run_dir: str, done: Finished) -> FitResult:
@@ -194,18 +218,7 @@ def _train(
         else:
             metrics, checkpoint = _train_on_ray(config, task, splits, rows, name, run_dir, console, mlflow_run, warned)
         wall = time.time() - start
-        summary = {
-            "run_dir": run_dir,
-            "wall_time_s": round(wall, 2),
-            "checkpoint": checkpoint,
-            "precision": _precision(run_dir),
-            "metrics": metrics,
-        }
-        storage.write_text(storage.join(run_dir, SUMMARY), json.dumps(summary, indent=2, default=float) + "\n")
-        if not storage.is_uri(run_dir):
-            from raytrain_loops.driver.plots import plot_run
-
-            plot_run(run_dir)
+        write_summary(run_dir, metrics, checkpoint, wall)
     return FitResult(run_dir, metrics, checkpoint, wall)
 
 

@@ -13,6 +13,11 @@ import yaml
 from raytrain_loops import storage
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
+from raytrain_loops.driver.fit import last_checkpoint, write_summary
+from raytrain_loops.rundir.layout import SUMMARY
+
+# What Tune adds to a trial's results, beside the run's own metrics.
+TUNE_KEYS = ("trial_id", "experiment_tag", "done", "trial_run", "warmup_time", "should_checkpoint")
 
 
 @dataclass
@@ -23,6 +28,24 @@ class SweepResult:
     best_values: dict[str, Any]
     best_metric: float
     table: Any  # pandas.DataFrame of all trials
+
+
+def complete_stopped_runs(results, sweep_dir: str) -> None:
+    """The Train run of a trial's last result, whose trial the scheduler stopped (its actor ended
+    before the run could end its own way), made a complete run directory: ``summary.json`` of its
+    last report, with its last complete checkpoint, and ``curves.png``. A PBT trial's earlier run,
+    before an exploit, keeps its logs and checkpoints only."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    for r in results:
+        last = r.metrics or {}
+        if not last.get("trial_run"):
+            continue
+        run_dir = storage.join(sweep_dir, last["trial_run"])
+        if storage.exists(storage.join(run_dir, SUMMARY)):
+            continue
+        metrics = {k: v for k, v in last.items() if k not in (*AUTO_RESULT_KEYS, *TUNE_KEYS)}
+        write_summary(run_dir, metrics, last_checkpoint(run_dir), float(last.get("time_total_s") or 0.0))
 
 
 def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig, sweep_dir: str) -> SweepResult:

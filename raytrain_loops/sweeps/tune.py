@@ -4,6 +4,13 @@ Each trial is a small driver function that builds a TorchTrainer for its config 
 Train run's reports to Tune: metrics (already averaged over all workers by the loop) and the
 checkpoint, so PBT can hand a donor's checkpoint to an exploiting trial, which then starts a new
 Train run from it.
+
+One tree: each trial's Train run directory is Tune's directory of the trial
+(``<sweep>/trial_00003``, beside Tune's ``params.json`` and ``progress.csv``), and a complete run
+directory (``config.yaml``, the logs, checkpoints, ``summary.json``, ``curves.png``); a PBT
+trial's continuation from a donor is a run directory of its own beside it
+(``trial_00003-from-<hash>``). The console is a run's: the trials' lines, and Ray's own output
+(Tune's included) in the sweep's ``ray.log``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,14 +32,16 @@ from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.config import Config, load_config, to_dict
 from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.console.capture import Console
+from raytrain_loops.driver.fit import write_config, write_summary
 from raytrain_loops.driver.preflight import planned_steps, prepare
 from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
-from raytrain_loops.sweeps.results import SweepResult, write_outputs
+from raytrain_loops.sweeps.results import SweepResult, complete_stopped_runs, write_outputs
 from raytrain_loops.tasks import Task
 
 DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer
+CLEANER_LINE_S = 1.0  # an actor's last line reaches the driver within this, once the actor has ended
 
 
 def _space(sweep: SweepConfig) -> dict[str, Any]:
@@ -49,16 +59,19 @@ def _space(sweep: SweepConfig) -> dict[str, Any]:
 
 def trial_base(base: Config, sweep: SweepConfig, sweep_dir: str) -> Config:
     """The recipe as every trial's Train run gets it, before the trial's own values are set: the
-    sweep's ``trial`` scaling, no progress lines, runs under ``<sweep_dir>/trials``, and the
-    metric evaluated and reported (and, for PBT, checkpointed) at the scheduler's decision points."""
+    sweep's ``trial`` scaling, no progress lines, runs in ``sweep_dir`` (each in its trial's
+    directory), and the metric evaluated and reported (and, for PBT, checkpointed, every report
+    sent: a donor hands over its checkpoint of the decision's step) at the scheduler's decision
+    points."""
     s = sweep.scheduler
     every = {"asha": s.grace_period, "pbt": s.perturbation_interval}.get(s.name)
     run = replace(
         base.run,
         progress=False,
         name="",
-        storage_path=storage.join(sweep_dir, "trials"),
+        storage_path=sweep_dir,
         report_every_steps=every or base.run.report_every_steps,
+        coalesce_reports=base.run.coalesce_reports and s.name != "pbt",
     )
     changes: dict[str, Any] = {"scaling": sweep.trial, "run": run}
     if every:
@@ -109,12 +122,17 @@ def _relay(
     mlflow_run: TrackedRun | None,
     relay: type,
 ) -> None:
-    """Run the trial's TorchTrainer on a thread and pass its reports on to Tune."""
-    from ray import tune
-    from ray.util.queue import Empty, Queue
+    """Run the trial's TorchTrainer on a thread and pass its reports on to Tune; the run directory
+    made complete (``config.yaml`` first, ``summary.json`` and ``curves.png`` when the run ends;
+    a trial the scheduler stops ends with its actor, and the sweep writes them:
+    :func:`~raytrain_loops.sweeps.results.complete_stopped_runs`)."""
+    from ray.util.queue import Queue
 
     from raytrain_loops.driver.trainer import build_trainer
 
+    start = time.time()
+    storage.make_dirs(run_dir)
+    write_config(run_dir, config)
     queue = Queue(maxsize=4, actor_options={"num_cpus": 0})
     board = StopBoard.new(run_dir, config.scaling.num_workers)
     trainer = build_trainer(
@@ -129,30 +147,43 @@ def _relay(
         board=board,
         tracking=mlflow_run,
     )
-    outcome: dict[str, BaseException] = {}
+    outcome: dict[str, Any] = {}
 
     def fit() -> None:
         try:
-            fit_or_stop(trainer, board)
+            outcome["result"] = fit_or_stop(trainer, board)
         except BaseException as err:  # re-raised in the trial's thread below
             outcome["error"] = err
 
     thread = threading.Thread(target=fit, daemon=True)
     thread.start()
+    _pass_on(queue, thread, name, payload["hand_over"])
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    write_summary(
+        run_dir, dict(result.metrics or {}), result.checkpoint.path if result.checkpoint else None, time.time() - start
+    )
+
+
+def _pass_on(queue, thread: threading.Thread, name: str, hand_over: bool) -> None:
+    """The Train run's reports, as its controller relays them, passed on to Tune until the run's
+    ``thread`` ends."""
+    from ray import tune
+    from ray.util.queue import Empty
+
     while True:
         try:
             metrics, checkpoint = queue.get(timeout=0.5)
         except Empty:
             if not thread.is_alive() and queue.empty():
-                break
+                return
             continue
         metrics["trial_run"] = name
         # Only PBT needs Tune to hold checkpoints (to hand them over); the Train run keeps its own.
-        handed = tune.Checkpoint(checkpoint) if checkpoint and payload["hand_over"] else None
+        handed = tune.Checkpoint(checkpoint) if checkpoint and hand_over else None
         tune.report(metrics, checkpoint=handed)
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def _trial_name(trial) -> str:
@@ -234,16 +265,20 @@ def _search(sweep: SweepConfig, concurrency: int):
 class TrialLines:
     """A Tune callback (on the driver): one line per trial result and per trial's end, saying
     whether it ran its whole length or the scheduler stopped it. Built into a ``tune.Callback``
-    by :func:`trial_lines`; pickled with the sweep without its display (a resumed sweep prints)."""
+    by :func:`trial_lines`; pickled with the sweep without its display: a resumed sweep's lines go
+    to the display of the sweep running now (``shown_on``)."""
+
+    shown_on = None  # the display of the sweep running in this process
 
     def __init__(self, display, metric: str, length: int):
         self.display, self.metric, self.length = display, metric, length
 
     def _line(self, text: str) -> None:
-        if self.display is None:
+        display = self.display or TrialLines.shown_on
+        if display is None:
             print(text, flush=True)
         else:
-            self.display.line(text)
+            display.line(text)
 
     def _metric(self, result: dict[str, Any]) -> str:
         value = result.get(self.metric)
@@ -286,6 +321,28 @@ class _Decisions(logging.Handler):
         text = " ".join(record.getMessage().split())
         if "[Exploit]" in text:
             self.display.line(text)
+
+
+def _cleaners_done(timeout_s: float = 15.0) -> None:
+    """Wait, at most ``timeout_s``, for the placement-group cleaners of this sweep's Train runs to
+    end. Ray Train starts one beside each run's controller; when Tune ends a trial, the trial takes
+    its controller with it, and the cleaner says so in a line of its own a second or two later:
+    said while the console still takes Ray's output to ``ray.log``, not after the sweep's table.
+    Nothing to wait for where Ray's State API does not answer."""
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    alive = [("class_name", "=", "PlacementGroupCleaner"), ("state", "=", "ALIVE"), ("job_id", "=", job)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not list_actors(filters=alive, timeout=5, raise_on_missing_output=False):
+                break
+        except Exception:  # the State API unreachable (no dashboard): nothing to wait for
+            return
+        time.sleep(0.5)
+    time.sleep(CLEANER_LINE_S)  # its last line, on its way from the actor's log file
 
 
 def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int, callbacks=None, verbose: bool = False):
@@ -358,6 +415,7 @@ def tune(
         decisions = _Decisions(console.display)
         pbt_logger = logging.getLogger("ray.tune.schedulers.pbt")
         pbt_logger.addHandler(decisions)
+        TrialLines.shown_on = console.display
         try:
             if rt.Tuner.can_restore(sweep_dir):
                 print(f"resuming the sweep in {sweep_dir}", flush=True)
@@ -365,10 +423,14 @@ def tune(
             else:
                 lines = [trial_lines(console.display, sweep.metric, length)]
                 tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, length, lines, verbose)
-            results = tuner.fit()
+            with console.prints_to_log():
+                results = tuner.fit()
+                _cleaners_done()
         finally:
             pbt_logger.removeHandler(decisions)
+            TrialLines.shown_on = None
     if tracking is not None:
         failed = {storage.name(r.path) for r in results if r.error is not None}
         finish_sweep(tracking, storage.name(sweep_dir), failed)
+    complete_stopped_runs(results, sweep_dir)
     return write_outputs(results, sweep, base, config.run, sweep_dir)

@@ -128,8 +128,10 @@ def step_of(name: str) -> int:
 
 def order_key(name: str) -> tuple[int, int]:
     """Sorts checkpoint directory names oldest first: by step, then by the suffix a later
-    checkpoint of the same step gets (``-2``, ``-3``...). (-1, 0) if not a checkpoint's name."""
-    match = re.fullmatch(r"checkpoint_(\d+)(?:-(\d+))?", name)
+    checkpoint of the same step gets (``-2``, ``-3``...). (-1, 0) if not a checkpoint's name (a
+    step of at least 8 digits: Tune's copies in a sweep's trial directory, ``checkpoint_000002``,
+    are not the run's)."""
+    match = re.fullmatch(r"checkpoint_(\d{8,})(?:-(\d+))?", name)
     return (int(match.group(1)), int(match.group(2) or 1)) if match else (-1, 0)
 
 
