@@ -258,6 +258,12 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
         if name != "train" and getattr(split, "batch_sampler", None) is not None:
             raise DataError(f"task {config.task.name!r}, split '{name}': only the train split takes a batch_sampler")
     if getattr(splits["train"], "batch_sampler", None) is not None:
+        if config.accum.micro_batch == "auto":
+            raise ConfigError(
+                "accum.micro_batch",
+                f"task {config.task.name!r}'s train split has its own batch sampler, whose batches it sizes and "
+                "groups itself: auto would split them into other micro-batches; set accum.micro_batch=fixed",
+            )
         check_batch_sampler(config, splits["train"], rows["train"])
     elif rows["train"] // config.scaling.workers < config.data.batch_size:
         raise ConfigError(

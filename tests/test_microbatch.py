@@ -1,0 +1,207 @@
+"""Automatic micro-batching (``accum.micro_batch=auto``): an out-of-memory error on one worker
+halves every worker's micro-batch and retries the same update on the same rows, on real gloo
+process groups (DDP and FSDP) without Ray; the splitting of batches; the configs it refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raytrain_loops.callbacks.faults import Faults
+from raytrain_loops.config import ConfigError, load_config
+from raytrain_loops.config.run import FaultSpec
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.engine import Engine
+from raytrain_loops.engine.distributed.sharding import shard
+from raytrain_loops.engine.update.micro import SplitError, split_batch
+from raytrain_loops.rundir.layout import MICRO_BATCH_FILE
+from raytrain_loops.runtime.wiring import micro_batches
+from tests import fakes
+from tests.gloo import run_gloo
+
+BATCH = 8  # rows per batch (data.batch_size); two batches per update (accum.steps=2)
+STEPS = 5
+
+
+def _batches(rank: int, step: int, size: int = BATCH, k: int = 2):
+    """Worker ``rank``'s rows of update ``step``: ``k * BATCH`` rows in batches of ``size``."""
+    x, y = fakes.regression_data(n=k * BATCH, seed=1000 + 10 * step + rank)
+    return fakes.split(x, y, [size] * (k * BATCH // size))
+
+
+def _engine(overrides: list[str], strategy: str = "ddp", split=None) -> Engine:
+    config = fakes.config("schedules.lr.value=0.01", *overrides).engine
+    model = fakes.make_model(d_hidden=32)
+    if strategy == "fsdp":
+        model = shard(model, [model.encoder, model.head], torch.device("cpu"))
+    else:
+        model = DDP(model)
+    return Engine(model, fakes.sum_loss, config, total_steps=STEPS, split_batch=split)
+
+
+def _run(rank: int, overrides: list[str], plan: list[dict], size: int = BATCH, strategy: str = "ddp") -> dict:
+    """STEPS updates with ``plan``'s memory faults; the weights, the resizes heard, the splits."""
+    engine = _engine(overrides, strategy)
+    faults = Faults([FaultSpec(**f) for f in plan], rank, "/nonexistent")
+    engine.loss_fn = faults.wrap_loss(engine.loss_fn if "loss.reduction=sum" in overrides else fakes.mean_loss)
+    heard = []
+    engine.micro.on_resize = lambda resize: heard.append({**dataclasses.asdict(resize), "line": resize.line()})
+    for step in range(STEPS):
+        result = engine.train_step(_batches(rank, step, size))
+        assert result.applied, (step, result.skipped)
+    return {
+        "params": fakes.params(engine.module),
+        "heard": heard,
+        "splits": engine.micro.splits,
+        "oom": engine.counts["oom"],
+    }
+
+
+def _cases(rank: int, world: int) -> dict:
+    """Every DDP comparison in one process group (one spawn)."""
+    auto, mean, total = ["accum.micro_batch=auto"], ["loss.reduction=mean"], ["loss.reduction=sum"]
+    first = [{"step": 1, "rank": 1, "kind": "oom", "micro_batch": 4}]
+    later = [{"step": 3, "rank": 1, "kind": "oom", "micro_batch": 3}]  # 8 rows -> 4 -> 2: twice in one update
+    return {
+        "first": _run(rank, auto + mean, first),
+        "smaller": _run(rank, mean, [], size=4),
+        "cvnets_first": _run(rank, [*auto, *mean, "accum.reduce=sum", "accum.steps=2"], first),
+        "cvnets_smaller": _run(rank, [*mean, "accum.reduce=sum", "accum.steps=2"], [], size=4),
+        "later": _run(rank, auto + total, later),
+        "plain": _run(rank, total, []),
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_cases():
+    outcomes = run_gloo(2, _cases, timeout=240)
+    assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    return [o.value for o in outcomes]
+
+
+def test_an_oom_at_step_one_gives_the_weights_of_a_run_with_the_smaller_micro_batch_from_the_start(ddp_cases):
+    for worker in ddp_cases:
+        first, smaller = worker["first"], worker["smaller"]
+        assert first["splits"] == 2 and first["oom"] == 1
+        for name, p in first["params"].items():
+            assert torch.equal(p, smaller["params"][name]), name
+        # Heard on both workers: worker 1 ran out of memory, and every worker halved.
+        (resize,) = first["heard"]
+        assert resize["line"] == "micro-batch 8 -> 4 after an out-of-memory error on worker 1 at step 1 (4 per update)"
+
+
+def test_accumulation_on_the_sum_is_rescaled_so_halving_keeps_the_update(ddp_cases):
+    # accum.reduce=sum adds the micro-batches' mean-loss gradients: twice as many, half as large.
+    for worker in ddp_cases:
+        assert worker["cvnets_first"]["splits"] == 2
+        for name, p in worker["cvnets_first"]["params"].items():
+            assert torch.equal(p, worker["cvnets_smaller"]["params"][name]), name
+            assert not torch.equal(p, worker["first"]["params"][name])  # another update than accum.reduce=mean
+
+
+def test_an_oom_mid_run_under_sum_reduction_stays_within_1e_6_of_the_uninterrupted_run(ddp_cases):
+    for worker in ddp_cases:
+        later, plain = worker["later"], worker["plain"]
+        assert later["splits"] == 4 and later["oom"] == 2
+        assert [(r["old"], r["new"], r["worker"], r["step"], r["per_update"]) for r in later["heard"]] == [
+            (8, 4, 1, 3, 4),
+            (4, 2, 1, 3, 8),
+        ]
+        diff = max((p - plain["params"][n]).abs().max().item() for n, p in later["params"].items())
+        assert diff < 1e-6, diff
+    assert all(torch.equal(p, ddp_cases[1]["later"]["params"][n]) for n, p in ddp_cases[0]["later"]["params"].items())
+
+
+def _fsdp_breaks(rank: int, world: int, run_dir: str) -> None:
+    engine = _engine(["accum.micro_batch=auto", "loss.reduction=sum"], "fsdp")
+    plan = [FaultSpec(step=2, rank=0, kind="oom", micro_batch=4)]
+    engine.loss_fn = Faults(plan, rank, run_dir).wrap_loss(engine.loss_fn)
+    micro_batches(engine, run_dir, rank, Sender(None))  # what the wiring does: records the restart's size
+    for step in range(STEPS):
+        engine.train_step(_batches(rank, step))
+
+
+def _fsdp_steps(rank: int, run_dir: str, overrides: list[str], size: int) -> dict:
+    engine = _engine(overrides, "fsdp")
+    plan = [FaultSpec(step=2, rank=0, kind="oom", micro_batch=4)]
+    engine.loss_fn = Faults(plan, rank, run_dir).wrap_loss(engine.loss_fn)
+    micro_batches(engine, run_dir, rank, Sender(None))
+    for step in range(STEPS):
+        assert engine.train_step(_batches(rank, step, size)).applied
+    state = engine.module.state_dict()
+    return {"splits": engine.micro.splits, "params": {k: v.full_tensor() for k, v in state.items()}}
+
+
+def _fsdp_restarted(rank: int, world: int, run_dir: str) -> tuple[dict, dict]:
+    """The restarted group (auto, from the record), and a run of 4-row batches from the start."""
+    auto = _fsdp_steps(rank, run_dir, ["accum.micro_batch=auto", "loss.reduction=sum"], BATCH)
+    return auto, _fsdp_steps(rank, run_dir, ["loss.reduction=sum"], 4)
+
+
+def test_under_fsdp_an_oom_restarts_the_group_which_starts_from_the_halved_micro_batch(tmp_path):
+    run_dir = str(tmp_path)
+    broken = run_gloo(2, _fsdp_breaks, run_dir, timeout=240)
+    # Under FSDP the other worker is inside the parameter all-gathers: the group restarts, as
+    # without auto; the failing worker recorded the halved size before it raised.
+    assert broken[0].error == "GroupBrokenError" and "under FSDP" in broken[0].message, broken[0].message
+    assert broken[1].error is not None
+    record = json.loads((tmp_path / MICRO_BATCH_FILE).read_text())
+    assert (record["splits"], record["old"], record["new"], record["worker"], record["step"]) == (2, 8, 4, 0, 2)
+    assert record["restart"] is True
+    again = run_gloo(2, _fsdp_restarted, run_dir, timeout=240)
+    assert [o.error for o in again] == [None, None], [o.message for o in again]
+    for worker in again:
+        auto, smaller = worker.value
+        assert auto["splits"] == 2  # from the record: the same OOM does not come back
+        for name, p in auto["params"].items():
+            assert torch.equal(p, smaller["params"][name]), name
+    print("seconds in the workers:", [o.seconds for o in broken], [o.seconds for o in again])
+
+
+def test_split_batch_cuts_rows_through_tuples_dicts_and_lists():
+    x = torch.arange(10.0).reshape(5, 2)
+    batch = {"x": x, "pair": (x[:, 0], ["a", "b", "c", "d", "e"])}
+    parts = split_batch(batch, 2)
+    assert [len(p["pair"][1]) for p in parts] == [2, 3]
+    assert torch.equal(torch.cat([p["x"] for p in parts]), x)
+    assert parts[1]["pair"][1] == ["c", "d", "e"] and torch.equal(parts[1]["pair"][0], x[2:, 0])
+    with pytest.raises(SplitError, match=r"batch\[2\] is a int"):
+        split_batch((x, x, 7), 2)
+    with pytest.raises(SplitError, match="disagree on its rows"):
+        split_batch((x, x[:3]), 2)
+    with pytest.raises(SplitError, match="5 rows cannot be split into 8"):
+        split_batch(x, 8)
+
+
+def test_the_lm_task_splits_packed_sequences_with_their_own_token_counts():
+    from raytrain_loops.tasks.lm import IGNORE, LMTask
+
+    inputs = torch.arange(12).reshape(4, 3)
+    targets = torch.tensor([[1, 2, IGNORE], [3, IGNORE, IGNORE], [4, 5, 6], [7, 8, IGNORE]])
+    task = LMTask.__new__(LMTask)  # the split reads no parameter of the task
+    parts = task.split_batch((inputs, targets, 8), 2)
+    assert [p[2] for p in parts] == [3, 5]
+    assert torch.equal(parts[1][0], inputs[2:])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["data.batch_size=1"], "data.batch_size=1 holds one row"),
+        (["data.batch_size=3", "loss.reduction=mean"], "data.batch_size=3 is odd"),
+    ],
+)
+def test_auto_is_refused_where_halving_would_change_the_update(overrides, says):
+    with pytest.raises(ConfigError, match="accum.micro_batch") as err:
+        load_config(None, ["accum.micro_batch=auto", *overrides])
+    assert says in str(err.value)
+    load_config(None, ["accum.micro_batch=auto", "data.batch_size=3", "loss.reduction=sum"])  # uneven halves: fine
+
+
+def test_a_micro_batch_size_is_only_for_an_oom_fault():
+    with pytest.raises(ConfigError, match="micro_batch"):
+        load_config(None, ["fault.plan=[{step: 1, kind: nan, micro_batch: 4}]"])
