@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +170,9 @@ def test_split_batch_cuts_rows_through_tuples_dicts_and_lists():
     assert [len(p["pair"][1]) for p in parts] == [2, 3]
     assert torch.equal(torch.cat([p["x"] for p in parts]), x)
     assert parts[1]["pair"][1] == ["c", "d", "e"] and torch.equal(parts[1]["pair"][0], x[2:, 0])
+    # A top-level list holds the batch's fields (default_collate of tuple samples).
+    fields = split_batch([x, x[:, 0]], 2)
+    assert isinstance(fields[0], list) and torch.equal(fields[1][1], x[2:, 0])
     with pytest.raises(SplitError, match=r"batch\[2\] is a int"):
         split_batch((x, x, 7), 2)
     with pytest.raises(SplitError, match="disagree on its rows"):
@@ -205,3 +209,32 @@ def test_auto_is_refused_where_halving_would_change_the_update(overrides, says):
 def test_a_micro_batch_size_is_only_for_an_oom_fault():
     with pytest.raises(ConfigError, match="micro_batch"):
         load_config(None, ["fault.plan=[{step: 1, kind: nan, micro_batch: 4}]"])
+
+
+def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_it(tmp_path, capsys):
+    from examples.custom_task import CONFIG, SpiralTask
+    from raytrain_loops import fit
+
+    # 64-row batches; from step 2 on, a micro-batch of more than 32 rows runs out of memory.
+    base = {
+        **CONFIG,
+        "loop": {"max_steps": 4, "epochs": 6},
+        "accum": {"micro_batch": "auto"},
+        "fault": {"plan": [{"step": 2, "kind": "oom", "micro_batch": 32}]},
+        "checkpoint": {"every_steps": 4},
+        "scaling": {"num_workers": 0},
+        "run": {"name": "auto", "storage_path": str(tmp_path), "progress": False},
+    }
+    first = fit(base, task=SpiralTask())
+    out = capsys.readouterr().out
+    assert "micro-batch 64 -> 32 after an out-of-memory error on worker 0 at step 2 (2 per update)\n" in out
+    records = [json.loads(line) for line in (Path(first.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # the update at step 2 was retried, not skipped
+    state = torch.load(Path(first.checkpoint) / "state.pt", weights_only=True)  # the engine's shared state
+    assert state["counters"]["micro_batch_splits"] == 2
+    # The checkpoint alone carries the size: without the run's record, the resumed run starts from it.
+    (Path(first.run_dir) / MICRO_BATCH_FILE).unlink()
+    second = fit({**base, "loop": {"max_steps": 6, "epochs": 6}}, task=SpiralTask())
+    out = capsys.readouterr().out
+    assert "resumed at step 4" in out and "micro-batches: each batch split in 2 (accum.micro_batch=auto)" in out
+    assert "out-of-memory" not in out and second.metrics["step"] == 6

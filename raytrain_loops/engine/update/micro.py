@@ -42,11 +42,18 @@ class SplitError(TrainingError):
     """A batch that cannot be split into micro-batches along its rows (``accum.micro_batch=auto``)."""
 
 
+def _fields(batch: Any) -> Any:
+    """A top-level list is the batch's fields (what ``default_collate`` makes of tuple samples),
+    as a tuple; a list inside a dict or a tuple holds one item per row."""
+    return tuple(batch) if isinstance(batch, list) else batch
+
+
 def batch_rows(batch: Any, where: str = "batch") -> int:
-    """The rows of a collated batch: the length of its tensors' first dimension and of its lists,
-    which must all agree. Raises :class:`SplitError` naming the part that has no rows."""
+    """The rows of a collated batch: the length of its tensors' first dimension and of its lists
+    of per-row items, which must all agree. Raises :class:`SplitError` naming the part that has
+    no rows."""
     counts: dict[str, int] = {}
-    _rows(batch, where, counts)
+    _rows(_fields(batch), where, counts)
     if not counts:
         raise SplitError(f"{where} holds no tensor or list to split into micro-batches")
     if len(set(counts.values())) > 1:
@@ -77,14 +84,16 @@ def _rows(obj: Any, where: str, counts: dict[str, int]) -> None:
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
     """``batch`` cut along its rows into ``parts`` consecutive pieces, as even as they come (sizes
-    differ by one at most): tensors along their first dimension (views, no copy), lists as
-    lists of per-row items, tuples and dicts part by part. Raises :class:`SplitError` for a batch
-    with a part that has no rows (a scalar, a string) or fewer rows than ``parts``."""
+    differ by one at most): tensors along their first dimension (views, no copy), lists inside
+    a dict or tuple as lists of per-row items, tuples, dicts and a top-level list (the fields
+    ``default_collate`` gives) part by part. Raises :class:`SplitError` for a batch with a part
+    that has no rows (a scalar, a string) or fewer rows than ``parts``."""
     rows = batch_rows(batch)
     if rows < parts:
         raise SplitError(f"a batch of {rows} rows cannot be split into {parts} micro-batches")
     bounds = [rows * i // parts for i in range(parts + 1)]
-    return [_cut(batch, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [_cut(_fields(batch), a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [list(p) for p in pieces] if isinstance(batch, list) else pieces
 
 
 def _cut(obj: Any, a: int, b: int) -> Any:
