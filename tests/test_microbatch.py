@@ -163,6 +163,31 @@ def test_under_fsdp_an_oom_restarts_the_group_which_starts_from_the_halved_micro
     print("seconds in the workers:", [o.seconds for o in broken], [o.seconds for o in again])
 
 
+def _ddp_breaks(rank: int, world: int, run_dir: str) -> None:
+    from tests.test_engine_dist import _OOMInBackward
+
+    engine = _engine(["accum.micro_batch=auto", "loss.reduction=sum"])
+    micro_batches(engine, run_dir, rank, Sender(None))
+
+    def loss_fn(model, batch, ctx):
+        out = fakes.sum_loss(model, batch, ctx)
+        if rank == 1 and ctx.step == 2 and ctx.micro_index == 1:  # the synchronising micro-batch
+            out.loss = _OOMInBackward.apply(out.loss)
+        return out
+
+    engine.loss_fn = loss_fn
+    for step in range(STEPS):
+        engine.train_step(_batches(rank, step))
+
+
+def test_an_oom_that_breaks_ddps_all_reduce_records_the_halved_size_before_the_group_restarts(tmp_path):
+    broken = run_gloo(2, _ddp_breaks, str(tmp_path), timeout=240)
+    assert broken[1].error == "GroupBrokenError" and "synchronising micro-batch" in broken[1].message
+    record = json.loads((tmp_path / MICRO_BATCH_FILE).read_text())
+    assert (record["splits"], record["old"], record["new"], record["worker"], record["step"]) == (2, 8, 4, 1, 3)
+    assert record["restart"] is True and record["per_update"] == 4
+
+
 def test_split_batch_cuts_rows_through_tuples_dicts_and_lists():
     x = torch.arange(10.0).reshape(5, 2)
     batch = {"x": x, "pair": (x[:, 0], ["a", "b", "c", "d", "e"])}
