@@ -266,3 +266,15 @@ def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_i
     out = capsys.readouterr().out
     assert "resumed at step 4" in out and "micro-batches: each batch split in 2 (accum.micro_batch=auto)" in out
     assert "out-of-memory" not in out and second.metrics["step"] == 6
+    # A rerun may turn auto on or off (the update is the same), and the run keeps its name.
+    from raytrain_loops.driver.preflight import run_name
+    from raytrain_loops.driver.run_dir import check_config
+
+    rerun = {**base, "loop": {"max_steps": 6, "epochs": 6}}
+    fixed = load_config({**rerun, "accum": {"micro_batch": "fixed"}})
+    assert check_config(second.run_dir, fixed) == {"accum.micro_batch": ("auto", "fixed")}
+    with pytest.raises(ConfigError, match="accum.steps"):
+        check_config(second.run_dir, load_config({**rerun, "accum": {"micro_batch": "auto", "steps": 2}}))
+    named = {**base, "run": {"storage_path": str(tmp_path)}}
+    unnamed_fixed = load_config({**named, "accum": {"micro_batch": "fixed"}})
+    assert run_name(load_config(named), SpiralTask()) == run_name(unnamed_fixed, SpiralTask())

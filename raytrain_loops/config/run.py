@@ -224,7 +224,7 @@ class RunConfig:
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
     allow_config_change: bool = opt(
         False,
-        "Resume a run directory whose config.yaml differs in more than scaling, run, logging, compile, checkpointing and the run's "
+        "Resume a run directory whose config.yaml differs in more than scaling, run, logging, compile, checkpointing, accum.micro_batch and the run's "
         "length (its checkpoints hold the state of the old config); refused when false.",
     )
 

@@ -31,6 +31,7 @@ class DataError(ValueError):
 # it is tracked.
 UNHASHED = ("scaling", "run.name", "run.storage_path", "run.progress", "run.allow_config_change")
 UNHASHED += ("run.max_failures", "run.max_preemptions", "logging.verbose", "logging.mlflow")
+UNHASHED += ("accum.micro_batch",)  # how the rows are cut into micro-batches, not the update
 
 
 def _defaults(config: Config) -> dict[str, Any]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # how long it runs. Everything else shapes the state in the checkpoints (model, optimizer, data,
 # the step's settings).
 RESUMABLE_SECTIONS = ("scaling", "run", "logging", "compile", "checkpointing")
-RESUMABLE_KEYS = ("loop.max_steps", "loop.epochs")
+RESUMABLE_KEYS = ("loop.max_steps", "loop.epochs", "accum.micro_batch")  # auto keeps the update
 
 
 class RunLocked(RuntimeError):
@@ -167,7 +167,7 @@ def check_config(run_dir: str, config: Config) -> dict[str, tuple[Any, Any]]:
     """Compare ``config`` with the ``config.yaml`` of a run directory that holds checkpoints.
 
     A change to what the checkpoints' state depends on (anything but ``scaling``, ``run``,
-    ``logging``, ``compile``, ``checkpointing`` and the run's length) raises :class:`ConfigError` naming every such key, unless
+    ``logging``, ``compile``, ``checkpointing``, ``accum.micro_batch`` and the run's length) raises :class:`ConfigError` naming every such key, unless
     ``run.allow_config_change`` is true. Returns every change (all of them accepted by then);
     empty for a new run directory.
     """
