@@ -278,3 +278,19 @@ def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_i
     named = {**base, "run": {"storage_path": str(tmp_path)}}
     unnamed_fixed = load_config({**named, "accum": {"micro_batch": "fixed"}})
     assert run_name(load_config(named), SpiralTask()) == run_name(unnamed_fixed, SpiralTask())
+
+
+def test_a_task_batch_sampler_is_refused_before_ray_starts(tmp_path):
+    from raytrain_loops.driver.preflight import prepare
+    from tests.test_samplers import GROUPS, GroupedTask
+
+    base = [
+        "task.name=grouped",
+        "data.batch_size=3",
+        "loss.reduction=sum",
+        "scaling.num_workers=2",
+        f"data.dir={tmp_path}",
+    ]
+    prepare(load_config(None, base), GroupedTask(GROUPS))  # fixed: the sampler's batches as they come
+    with pytest.raises(ConfigError, match="accum.micro_batch: task 'grouped'.*own batch sampler"):
+        prepare(load_config(None, [*base, "accum.micro_batch=auto"]), GroupedTask(GROUPS))
