@@ -83,6 +83,7 @@ def _cases(rank: int, world: int) -> dict:
 def ddp_cases():
     outcomes = run_gloo(2, _cases, timeout=240)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
+    print("seconds in the workers:", [round(o.seconds, 1) for o in outcomes])
     return [o.value for o in outcomes]
 
 
@@ -117,6 +118,7 @@ def test_an_oom_mid_run_under_sum_reduction_stays_within_1e_6_of_the_uninterrupt
         ]
         diff = max((p - plain["params"][n]).abs().max().item() for n, p in later["params"].items())
         assert diff < 1e-6, diff
+        print(f"largest difference from the uninterrupted run: {diff:.3g}")
     assert all(torch.equal(p, ddp_cases[1]["later"]["params"][n]) for n, p in ddp_cases[0]["later"]["params"].items())
 
 
