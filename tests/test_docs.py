@@ -123,3 +123,14 @@ def test_the_readme_is_a_landing_page_that_links_every_docs_page():
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
     linked = {Path(t.split("#")[0]).name for t in re.findall(r"\]\((docs/[^)\s]+)\)", text)}
     assert sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in linked) == []
+
+
+def test_every_guide_starts_with_the_command_or_code_that_does_the_thing():
+    """A page of docs/ opens, after its title, with a code block (the generated references open
+    with what generated them)."""
+    late = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        blocks = page.read_text().split("\n\n")
+        if "Generated from the code" not in blocks[1] and not blocks[1].startswith("```"):
+            late.append(page.name)
+    assert late == []
