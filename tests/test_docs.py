@@ -134,3 +134,23 @@ def test_every_guide_starts_with_the_command_or_code_that_does_the_thing():
         if "Generated from the code" not in blocks[1] and not blocks[1].startswith("```"):
             late.append(page.name)
     assert late == []
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but hyphens and
+    underscores dropped, spaces made hyphens."""
+    headings = re.findall(r"^#+ (.*)$", FENCE.sub("", page.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_to_a_section_names_a_heading_of_its_page():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+#[^)\s]+)\)", FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, anchor = target.split("#", 1)
+            linked = (page.parent / path) if path else page
+            if linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
