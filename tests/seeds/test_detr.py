@@ -76,6 +76,8 @@ def detr_reference(cfg, task: DetrTask, model, epochs) -> dict:
     optimizer = torch.optim.AdamW(param_dicts, lr=lr, weight_decay=weight_decay)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, LR_DROP)
     weight_dict = task.weights
+    assert cfg.clip.mode == "global"  # DETR clips the total norm (clip_max_norm, 0.1 by default)
+    clip_max_norm = cfg.clip.max_norm
     seen = {"lr": [], "wd": []}
 
     def criterion(outputs, batch) -> dict:
@@ -91,8 +93,8 @@ def detr_reference(cfg, task: DetrTask, model, epochs) -> dict:
             assert math.isfinite(losses.item())
             optimizer.zero_grad()
             losses.backward()
-            if cfg.clip.max_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip.max_norm)
+            if clip_max_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_max_norm)
             optimizer.step()
             seen["lr"].append([g["lr"] for g in optimizer.param_groups])
             seen["wd"].append([g["weight_decay"] for g in optimizer.param_groups])

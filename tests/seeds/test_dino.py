@@ -183,6 +183,8 @@ def dino_reference(cfg, task, model: nn.Module, epochs) -> dict:
         task.center_momentum,
     )
     optimizer = torch.optim.AdamW(get_params_groups(student))
+    assert cfg.clip.mode == "per_param"  # DINO clips each gradient on its own (clip_grad, 3.0 by default)
+    clip_grad = cfg.clip.max_norm
     seen = {"lr": [], "wd": [], "temp": []}
     for epoch, batches in enumerate(epochs):
         for i, (images, _) in enumerate(batches):
@@ -197,7 +199,8 @@ def dino_reference(cfg, task, model: nn.Module, epochs) -> dict:
             assert math.isfinite(loss.item())
             optimizer.zero_grad()
             loss.backward()
-            clip_gradients(student, cfg.clip.max_norm)
+            if clip_grad:
+                clip_gradients(student, clip_grad)
             cancel_gradients_last_layer(epoch, student, cfg.freeze.last_layer_epochs)
             optimizer.step()
             with torch.no_grad():
