@@ -25,8 +25,11 @@ from raytrain_loops.driver.run_dir import (
     Finished,
     RunLock,
     check_config,
+    check_model,
     finished,
+    model_fingerprint,
     pin_artefacts,
+    pin_model,
     record_changes,
     unfinish,
 )
@@ -127,11 +130,14 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)
+        model = model_fingerprint(task)
+        changes.update(check_model(run_dir, config, model))  # an edited task: refused before anything loads
         length_changed = any(k.startswith(("loop.", "accum.")) for k in changes) or not changes
         done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done)
         unfinish(run_dir)
+        pin_model(run_dir, model)
         changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)

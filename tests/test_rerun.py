@@ -1,0 +1,70 @@
+"""A user's edit-and-rerun loop in local mode: the task's code edited under the same command (the
+run name hashes the config, not the code) is refused before anything loads, naming the ways on;
+a finished local run rerun on Ray workers says what happened and how to train anew."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from examples.custom_task import CONFIG
+from raytrain_loops.cli import main
+
+# A user's task module, its hidden layer's width edited between runs.
+MODULE = """
+from torch import nn
+from examples.custom_task import SpiralTask
+
+class TabTask(SpiralTask):
+    def build_model(self):
+        return nn.Sequential(nn.Linear(2, {width}), nn.ReLU(), nn.Linear({width}, 2))
+"""
+
+
+def _user_dir(tmp_path: Path, monkeypatch, width: int) -> None:
+    """``mytask.py`` in the working directory, as the user edited it last (imported afresh)."""
+    (tmp_path / "mytask.py").write_text(MODULE.format(width=width))
+    sys.modules.pop("mytask", None)
+    monkeypatch.chdir(tmp_path)
+
+
+def _train(capsys, *overrides: str) -> tuple[int, str]:
+    code = main(["train", "recipe.yaml", "--local", *overrides])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit within the second is read afresh
+    recipe = {**CONFIG, "task": {"name": "mytask:TabTask"}, "loop": {"epochs": 1}, "scaling": {"num_workers": 0}}
+    recipe["run"] = {"storage_path": str(tmp_path / "runs"), "progress": False}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    _user_dir(tmp_path, monkeypatch, 8)
+    code, out = _train(capsys)
+    assert code == 0, out
+    (run,) = (tmp_path / "runs").iterdir()
+    recorded = json.loads((run / "model.json").read_text())
+    assert recorded["task"] == "mytask:TabTask" and recorded["parameters"]["2.weight"] == [2, 8]
+
+    _user_dir(tmp_path, monkeypatch, 16)  # the same command after the edit: the same run name
+    before = sorted(p.name for p in run.iterdir())
+    code, out = _train(capsys)
+    assert code == 2 and "already finished" not in out, out
+    assert f"the run in {run} was trained with another model than task 'mytask:TabTask' builds now" in out
+    assert "model.parameters.0.weight ([8, 2] -> [16, 2])" in out and "model.parameters.2.weight ([2, 8] -> [2, 16])" in out
+    assert "give it a new name (run.name=...)" in out and "set run.allow_config_change=true" in out
+    assert sorted(p.name for p in run.iterdir()) == before and json.loads((run / "model.json").read_text()) == recorded
+
+    # Allowed, and made longer, the run loads its checkpoint: the weights do not fit, said so.
+    code, out = _train(capsys, "run.allow_config_change=true", f"run.name={run.name}", "loop.epochs=2")
+    assert code == 2, out
+    assert "Error(s) in loading state_dict" not in out and "Traceback" not in out
+    assert f"run.name: checkpoint {run / 'checkpoint_00000032'} holds the weights of another model" in out
+    assert "size mismatch for 0.weight" in out and "give the run a new name (run.name=...)" in out
+
+    code, out = _train(capsys, "run.name=wider")  # a new name trains the new model
+    assert code == 0 and "finished in" in out, out
+    assert json.loads((tmp_path / "runs" / "wider" / "model.json").read_text())["parameters"]["2.weight"] == [2, 16]
