@@ -31,15 +31,15 @@ def _user_dir(tmp_path: Path, monkeypatch, width: int) -> None:
     monkeypatch.chdir(tmp_path)
 
 
-def _train(capsys, *overrides: str) -> tuple[int, str]:
-    code = main(["train", "recipe.yaml", "--local", *overrides])
+def _train(capsys, *overrides: str, local: bool = True) -> tuple[int, str]:
+    code = main(["train", "recipe.yaml", *(["--local"] if local else []), *overrides])
     out = capsys.readouterr()
     return code, out.out + out.err
 
 
 def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit within the second is read afresh
-    recipe = {**CONFIG, "task": {"name": "mytask:TabTask"}, "loop": {"epochs": 1}, "scaling": {"num_workers": 0}}
+    recipe = {**CONFIG, "task": {"name": "mytask:TabTask"}, "loop": {"epochs": 1}}
     recipe["run"] = {"storage_path": str(tmp_path / "runs"), "progress": False}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     _user_dir(tmp_path, monkeypatch, 8)
@@ -48,6 +48,7 @@ def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tm
     (run,) = (tmp_path / "runs").iterdir()
     recorded = json.loads((run / "model.json").read_text())
     assert recorded["task"] == "mytask:TabTask" and recorded["parameters"]["2.weight"] == [2, 8]
+    _on_ray_workers_it_trains_nothing_and_says_why(run, monkeypatch, capsys)
 
     _user_dir(tmp_path, monkeypatch, 16)  # the same command after the edit: the same run name
     before = sorted(p.name for p in run.iterdir())
@@ -68,3 +69,21 @@ def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tm
     code, out = _train(capsys, "run.name=wider")  # a new name trains the new model
     assert code == 0 and "finished in" in out, out
     assert json.loads((tmp_path / "runs" / "wider" / "model.json").read_text())["parameters"]["2.weight"] == [2, 16]
+
+
+def _on_ray_workers_it_trains_nothing_and_says_why(run: Path, monkeypatch, capsys) -> None:
+    """The finished local run, rerun on 2 Ray workers: decided before Ray would start, and said."""
+    from raytrain_loops.driver import fit as fit_module
+
+    def ray_must_not_start(*args, **kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(fit_module, "ensure_ray", ray_must_not_start)
+    accuracy = json.loads((run / "summary.json").read_text())["metrics"]["eval_accuracy"]
+    code, out = _train(capsys, "scaling.num_workers=2", local=False)
+    assert code == 0, out
+    assert f"the run already finished at step 32: eval_accuracy={accuracy:.4g} (every metric: {run}/summary.json)" in out
+    assert "nothing trained (it trained with scaling.num_workers=0: a run is the same run at any scale)" in out
+    assert "To train anew, give it another run.name" in out
+    assert "finished in" not in out and f"run directory: {run}" in out  # no old wall time as if trained now
+    monkeypatch.undo()
