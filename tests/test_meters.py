@@ -168,7 +168,9 @@ def test_the_progress_line_shows_every_term_smoothed_the_lr_and_data_and_batch_t
         log.on_interval({**metrics, **times, **speed}, step=10 * (i + 1))
         state = state or log.state_dict()
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert " steps/s, 1201 samples/s, MFU 25.0% | eta " in line, line  # the interval's, over all workers
+    # The interval's rates over one span, its step time (batch 0.070 s): then the eta at the rate since the start.
+    assert "| 14.3 steps/s, 1201 samples/s, MFU 25.0% (step time) | eta " in line, line
+    assert line.endswith(" steps/s overall)"), line
     assert "gflops" not in line and "rank0" not in line  # throughput figures are not loss terms
     m = 0.9  # the default momentum
     smooth = lambda a, b: (m * a + b) / (m + 1)  # noqa: E731

@@ -5,9 +5,11 @@ a finished local run rerun on Ray workers says what happened and how to train an
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from examples.custom_task import CONFIG
@@ -66,9 +68,21 @@ def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tm
     assert f"run.name: checkpoint {run / 'checkpoint_00000032'} holds the weights of another model" in out
     assert "size mismatch for 0.weight" in out and "give the run a new name (run.name=...)" in out
 
-    code, out = _train(capsys, "run.name=wider")  # a new name trains the new model
+    code, out = _train(capsys, "run.name=wider", "run.progress=true")  # a new name trains the new model
     assert code == 0 and "finished in" in out, out
     assert json.loads((tmp_path / "runs" / "wider" / "model.json").read_text())["parameters"]["2.weight"] == [2, 16]
+    _steps_and_samples_per_second_agree(out)
+
+
+def _steps_and_samples_per_second_agree(out: str) -> None:
+    """The progress line's steps/s and samples/s span the same time: every step a batch of 64."""
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3, out  # steps 10, 20 and 30 of 32
+    for line in lines:
+        found = re.search(r"\| ([\d.]+) steps/s, (\d+) samples/s[^|]*\(step time\) \| eta \S+ \(([\d.]+) steps/s overall\)$", line)
+        assert found, line
+        steps, samples = float(found[1]), float(found[2])
+        assert samples == pytest.approx(64 * steps, rel=0.01, abs=64 * 0.05), line
 
 
 def _on_ray_workers_it_trains_nothing_and_says_why(run: Path, monkeypatch, capsys) -> None:

@@ -196,19 +196,26 @@ class RunLog(Callback):
 
     def progress_line(self, metrics: dict[str, float], step: int) -> str:
         """One line: the step, the epoch, the loss and every term (smoothed), the lr, the data
-        and batch time (smoothed: waiting for data against the whole step), the rate and eta."""
+        and batch time (smoothed: waiting for data against the whole step), the rates and eta.
+
+        Steps/s and samples/s are measured over one span, the interval's step time (computing
+        and waiting for data), so samples/s is steps/s times the global batch; the eta comes from
+        the rate since this attempt started (evaluations, checkpoints and logging included),
+        shown beside it as ``overall``."""
         elapsed = time.perf_counter() - self._t0
         done = max(step - self._start_step, 1)
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        overall = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_steps - step) / overall if overall > 0 else math.inf
         eta_text = str(timedelta(seconds=int(eta))) if math.isfinite(eta) else "?"
+        busy = metrics.get("batch_time", 0.0)  # the interval's mean step time, over all workers
+        rates = f"{1 / busy:.1f} steps/s{_throughput(metrics)} (step time) | " if busy > 0 else ""
         smoothed = self.smoothed
         epoch = metrics.get("epoch")
         return (
             f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | "
             f"epoch {int(epoch) if epoch is not None else '?'} | {_terms(smoothed) or 'loss ?'} | "
             f"lr {metrics.get('lr', math.nan):.2e} | data {smoothed.get('data_time', math.nan):.3f}s "
-            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rate:.1f} steps/s{_throughput(metrics)} | eta {eta_text}"
+            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rates}eta {eta_text} ({overall:.1f} steps/s overall)"
         )
 
     def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
