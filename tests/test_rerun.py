@@ -68,16 +68,22 @@ def test_an_edited_model_is_refused_before_anything_loads_naming_both_ways_on(tm
     assert f"run.name: checkpoint {run / 'checkpoint_00000032'} holds the weights of another model" in out
     assert "size mismatch for 0.weight" in out and "give the run a new name (run.name=...)" in out
 
-    code, out = _train(capsys, "run.name=wider", "run.progress=true")  # a new name trains the new model
+    # A new name trains the new model; with MLflow, whose series are TensorBoard's, name for name.
+    mlruns = tmp_path / "mlruns"
+    code, out = _train(capsys, "run.name=wider", "run.progress=true", f"logging.mlflow.tracking_uri={mlruns}")
     assert code == 0 and "finished in" in out, out
     assert json.loads((tmp_path / "runs" / "wider" / "model.json").read_text())["parameters"]["2.weight"] == [2, 16]
     _steps_and_samples_per_second_agree(out)
+    _one_name_per_metric_everywhere(tmp_path / "runs" / "wider", mlruns)
 
 
 def _steps_and_samples_per_second_agree(out: str) -> None:
     """The progress line's steps/s and samples/s span the same time: every step a batch of 64."""
     lines = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(lines) == 3, out  # steps 10, 20 and 30 of 32
+    assert [line.split(" |")[0] for line in lines] == [f"step {s}/32 ({100 * s / 32:.0f}%)" for s in (10, 20, 30)] + [
+        "step 32/32 (100%)"  # the last interval, steps 31-32, cut short by the run's end
+    ], out
+    assert lines[-1].startswith("step 32/32 (100%) | epoch 0 |"), lines[-1]
     for line in lines:
         found = re.search(r"\| ([\d.]+) steps/s, (\d+) samples/s[^|]*\(step time\) \| eta \S+ \(([\d.]+) steps/s overall\)$", line)
         assert found, line
@@ -101,3 +107,30 @@ def _on_ray_workers_it_trains_nothing_and_says_why(run: Path, monkeypatch, capsy
     assert "To train anew, give it another run.name" in out
     assert "finished in" not in out and f"run directory: {run}" in out  # no old wall time as if trained now
     monkeypatch.undo()
+
+
+def _one_name_per_metric_everywhere(run: Path, mlruns: Path) -> None:
+    """TensorBoard and MLflow hold the same series under the names of the console and the files
+    (``loss``, ``train_loss``, ``eval_accuracy``), each against the step: every interval, the
+    last one cut short included; the epoch's averages; no position, throughput, memory or
+    per-worker series (``logging.system_series`` is off)."""
+    from tests.runfiles import records, tb_scalars
+
+    mlflow = pytest.importorskip("mlflow")
+    scalars = tb_scalars(run / "tb")
+    assert {"loss", "acc", "lr", "grad_norm", "train_loss", "train_acc", "train_lr", "eval_accuracy"} <= set(scalars)
+    assert not [t for t in scalars if "/" in t or "time" in t or "samples" in t or "rss" in t or t in ("step", "epoch")]
+    assert [s for s, _ in scalars["loss"]] == [10, 20, 30, 32]
+    assert [s for s, _ in scalars["train_loss"]] == [32] and [s for s, _ in scalars["eval_accuracy"]] == [32]
+    (epoch,) = records(run / "epochs.jsonl")
+    assert scalars["train_loss"][0][1] == pytest.approx(epoch["train_loss"])
+    (evaluated,) = records(run / "eval.jsonl")
+    assert scalars["eval_accuracy"][0][1] == pytest.approx(evaluated["eval_accuracy"])
+
+    client = mlflow.MlflowClient(str(mlruns))
+    (tracked,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert set(tracked.data.metrics) == set(scalars)
+    for name, points in scalars.items():
+        history = sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, name))
+        assert [s for s, _ in history] == [s for s, _ in points], name
+        assert [v for _, v in history] == pytest.approx([v for _, v in points]), name

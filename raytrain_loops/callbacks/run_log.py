@@ -26,6 +26,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.callbacks import throughput
+from raytrain_loops.callbacks.series import series
 from raytrain_loops.config.engine import SmoothingConfig
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import StepResult
@@ -76,6 +77,8 @@ class RunLog(Callback):
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` (one per evaluation),
     ``epochs.jsonl`` (one per finished epoch: its averages over all workers) and ``tb/`` for
     rank 0, and prints the progress line, its values smoothed as ``smoothing`` says.
+    TensorBoard's series (:func:`~raytrain_loops.callbacks.series.series`; the system ones with
+    ``system_series``) carry the names the files and the console use, each against the step.
 
     ``kept``: the length in bytes of each file (relative to the run directory) to keep from the
     run's earlier attempts, as the checkpoint the run resumes from recorded it (:func:`kept_files`);
@@ -96,8 +99,10 @@ class RunLog(Callback):
         smoothing: SmoothingConfig | None = None,
         steps_per_interval: int = 1,
         kept: dict[str, int] | None = None,
+        system_series: bool = False,
     ):
         self.enabled = rank == 0
+        self.system_series = system_series
         self.workers = workers
         self.total_steps = total_steps
         self.progress = progress
@@ -189,8 +194,8 @@ class RunLog(Callback):
         if not self.enabled:
             return
         self._steps.flush()
-        for name, value in metrics.items():
-            self._tb.add_scalar(f"train/{name}", value, step)
+        for name, value in series(metrics, self.system_series).items():
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             self._show("progress", self.progress_line(metrics, step), step=step, total=self.total_steps)
 
@@ -219,21 +224,21 @@ class RunLog(Callback):
         )
 
     def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        """The epoch's averages over all workers: a line of ``epochs.jsonl``, TensorBoard scalars
-        by epoch, and a line on the console."""
+        """The epoch's averages over all workers (``train_<name>``): a line of ``epochs.jsonl``,
+        TensorBoard scalars at the epoch's last step, and a line on the console."""
         if not self.enabled:
             return
         self._epochs.write(json.dumps({"epoch": epoch, "step": step, **metrics, "time": time.time()}) + "\n")
         self._epochs.flush()
-        for name, value in metrics.items():
-            self._tb.add_scalar(name.replace("train_", "epoch/", 1), value, epoch)
+        for name, value in series(metrics, self.system_series).items():
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             means = {k.removeprefix("train_"): v for k, v in metrics.items()}
             shown = " | ".join(
                 [_terms(means), f"lr {means.get('lr', math.nan):.2e}"]
                 + [f"{k} {means[k]:.3f}s" for k in ("data_time", "batch_time") if k in means]
             )
-            self._show("epoch", f"epoch {epoch} ended at step {step}, averages over the epoch: {shown}", step=step)
+            self._show("epoch", f"epoch {epoch} ended at step {step}, averages over the epoch (train_*): {shown}", step=step)
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if not self.enabled:
@@ -241,7 +246,7 @@ class RunLog(Callback):
         self._evals.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
         self._evals.flush()
         for name, value in metrics.items():
-            self._tb.add_scalar(name.replace("eval_", "eval/", 1), value, step)
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
             self._show("eval", f"eval at step {step}: {shown}", step=step)
