@@ -286,7 +286,7 @@ def _model_changed(path: str, err: RuntimeError) -> Exception:
     """torch's error for weights that do not fit the model (``Error(s) in loading state_dict``)
     as one that says what happened and what to do: the task's model changed since ``path`` was
     written. Any other error as it is."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()]
     if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
         return err
     detail = "; ".join(lines[1:3]) + ("; ..." if len(lines) > 3 else "")
