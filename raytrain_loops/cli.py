@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
     sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
     sub.add_parser("recipes", help="list the built-in recipes")
+    _plan_parser(sub)
     export = sub.add_parser(
         "export",
         help="write a checkpoint (sharded or not) as one state.pt for inference (model, ema, counters), "
@@ -71,6 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="the memory of one worker before a run, without Ray: parameters, gradients and optimizer state "
+        "under DDP and FSDP (computed), the activations of one micro-batch (measured: one update on this CPU)",
+    )
+    plan.add_argument("recipe", help="built-in recipe name or YAML path")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as train takes them")
+
+
 def _error(message: str) -> int:
     print(f"raytrain-loops: error: {message}", file=sys.stderr)
     return 2
@@ -81,6 +92,21 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 
     for name, path in sorted(recipes.builtin().items()):
         print(f"{name:<16} {recipes.describe(path)}")
+    return 0
+
+
+def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    """``plan``: the memory plan printed; a bad recipe, override or data is exit code 2 naming it."""
+    from raytrain_loops import recipes
+    from raytrain_loops.config import ConfigError, load_config
+    from raytrain_loops.driver.preflight import DataError
+    from raytrain_loops.tools.memory_plan import make_plan, render
+
+    try:
+        config = load_config(recipes.resolve(args.recipe), args.overrides)
+        print(render(make_plan(config, args.recipe)))
+    except (ConfigError, DataError) as err:
+        return _error(str(err))
     return 0
 
 
@@ -209,6 +235,7 @@ def _failed(command: str, err: Exception, local: bool = False) -> int:
 
 VERBS = {
     "recipes": _recipes,
+    "plan": _plan,
     "export": _export,
     "evaluate": _evaluate,
     "submit": _submit,
