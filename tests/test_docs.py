@@ -62,7 +62,7 @@ def _check(args: list[str]) -> None:
         parsed = parse(args)
     except SystemExit:
         raise AssertionError(f"does not parse: raytrain-loops {shlex.join(args)}") from None
-    if parsed.command not in ("train", "tune", "submit"):
+    if parsed.command not in ("train", "tune", "submit", "plan"):
         return
     recipe = parsed.recipe if parsed.recipe in _builtin_recipes() else "default"  # a user's file: ours
     overrides = parsed.overrides

@@ -242,8 +242,13 @@ def make_plan(config: Config, recipe: str) -> MemoryPlan:
     here = run_config(config)
     batch, source = first_batch(task, here, splits, rows)
     engine = build_engine(task, here, source.batches_per_epoch)
-    measured = measure(engine, batch, config)
-    model = engine.module  # shapes only from here on
+    return plan_of(engine, task, config, recipe, measure(engine, batch, config))
+
+
+def plan_of(engine: Engine, task: Task, config: Config, recipe: str, measured: Measured) -> MemoryPlan:
+    """The plan of ``engine``'s model (its shapes: the update it ran changes none) with the
+    update :func:`measure` followed."""
+    model = engine.module
     blocks = list(task.blocks(model))
     world = config.scaling.workers
     params = list(model.parameters())

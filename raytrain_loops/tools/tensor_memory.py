@@ -54,6 +54,9 @@ class Timeline:
         return best
 
 
+FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+
+
 class TensorMemory(TorchDispatchMode):
     """``with TensorMemory() as mem: ...``; then ``mem.timeline``. Each storage is counted once,
     by its size in bytes, however many views of it the operators return."""
@@ -66,7 +69,9 @@ class TensorMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        # torch.tensor(data) makes its storage before any operator, then hands it to lift_fresh
+        given = () if func in FRESH else tree_flatten((args, kwargs))[0]
+        inputs = {id(t.untyped_storage()) for t in given if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:  # an in-place operator or a view returns a storage it was given
             if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in inputs:
                 self._track(st)
