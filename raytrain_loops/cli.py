@@ -24,8 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("recipe", help="built-in recipe name or YAML path")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
     sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
-    sub.add_parser("recipes", help="list the built-in recipes")
-    _plan_parser(sub)
+    _recipes_and_plan(sub)
     export = sub.add_parser(
         "export",
         help="write a checkpoint (sharded or not) as one state.pt for inference (model, ema, counters), "
@@ -72,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _plan_parser(sub: argparse._SubParsersAction) -> None:
+def _recipes_and_plan(sub: argparse._SubParsersAction) -> None:
+    """The verbs that read recipes without running one."""
+    sub.add_parser("recipes", help="list the built-in recipes")
     plan = sub.add_parser(
         "plan",
         help="the memory of one worker before a run, without Ray: parameters, gradients and optimizer state "
