@@ -154,6 +154,7 @@ print(mp.render(plan), file=sys.stderr)
 """
 
 
+@pytest.mark.timeout(600)  # about 55 s of CPU (30 s on 2 idle cores): a 124M model built, three forward-backwards
 def test_the_plan_of_a_124m_model_is_within_15_percent_of_the_memory_a_process_gains(tmp_path):
     """The resident memory a fresh process gains over building the model and two updates is
     at least the plan's total and at most 15% more. malloc returns every block of 128 KiB or more
@@ -162,7 +163,7 @@ def test_the_plan_of_a_124m_model_is_within_15_percent_of_the_memory_a_process_g
     operator's output, and page rounding (README: the figures)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
     args = [sys.executable, "-c", PROBE, f"data.dir={tmp_path}", *GPT]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     growth, total = out["growth"], out["total"]
