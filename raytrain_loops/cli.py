@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("recipe", help="built-in recipe name or YAML path")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the recipe")
     sweep.add_argument("--sweep", required=True, metavar="FILE", help="the sweep YAML (space, metric, scheduler...)")
-    sub.add_parser("recipes", help="list the built-in recipes")
+    _recipes_and_plan(sub)
     export = sub.add_parser(
         "export",
         help="write a checkpoint (sharded or not) as one state.pt for inference (model, ema, counters), "
@@ -71,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _recipes_and_plan(sub: argparse._SubParsersAction) -> None:
+    """The verbs that read recipes without running one."""
+    sub.add_parser("recipes", help="list the built-in recipes")
+    plan = sub.add_parser(
+        "plan",
+        help="the memory of one worker before a run, without Ray: parameters, gradients and optimizer state "
+        "under DDP and FSDP (computed), the activations of one micro-batch (measured: one update on this CPU)",
+    )
+    plan.add_argument("recipe", help="built-in recipe name or YAML path")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as train takes them")
+
+
 def _error(message: str) -> int:
     print(f"raytrain-loops: error: {message}", file=sys.stderr)
     return 2
@@ -81,6 +93,21 @@ def _recipes(args: argparse.Namespace, argv: list[str]) -> int:
 
     for name, path in sorted(recipes.builtin().items()):
         print(f"{name:<16} {recipes.describe(path)}")
+    return 0
+
+
+def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    """``plan``: the memory plan printed; a bad recipe, override or data is exit code 2 naming it."""
+    from raytrain_loops import recipes
+    from raytrain_loops.config import ConfigError, load_config
+    from raytrain_loops.driver.preflight import DataError
+    from raytrain_loops.tools.memory_plan import make_plan, render
+
+    try:
+        config = load_config(recipes.resolve(args.recipe), args.overrides)
+        print(render(make_plan(config, args.recipe)))
+    except (ConfigError, DataError) as err:
+        return _error(str(err))
     return 0
 
 
@@ -183,8 +210,9 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "tune":
         print(f"sweep directory: {swept.sweep_dir}")
         return 0
-    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
-    print(f"finished in {result.wall_time:.1f}s: {shown}")
+    if result.trained:  # a finished run's rerun said what it holds
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
+        print(f"finished in {result.wall_time:.1f}s: {shown}")
     print(f"run directory: {result.run_dir}")
     return 0
 
@@ -208,6 +236,7 @@ def _failed(command: str, err: Exception, local: bool = False) -> int:
 
 VERBS = {
     "recipes": _recipes,
+    "plan": _plan,
     "export": _export,
     "evaluate": _evaluate,
     "submit": _submit,

@@ -1,7 +1,7 @@
 """The hf_lm task: a transformers causal LM with a BPE trained on the driver, text packed once and
 tokenized in ``Task.preprocess``, trained in local mode (the loop is the same on Ray), exported as
 a directory transformers loads, and fine-tuned from it. Tiny configs; the recipe's figures are in
-the README."""
+docs/hf.md."""
 
 from __future__ import annotations
 
@@ -151,10 +151,15 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, mine(input_ids=ids).logits)
 
-    # Fine-tuning from the exported directory, on other text: its first steps start where the
-    # exported model ended, far below a fresh model's loss.
-    other = {"train": [str(_corpus(tmp_path / "other.jsonl", 200, 5, "the list"))]}
-    tuned = fit(_config(tmp_path, "tuned", model=str(out), tokenizer=str(out), text=other))
+    # Fine-tuning from the exported directory, on other text, with examples/finetune_hf.yaml (at a
+    # reduced size): its first steps start where the exported model ended, far below a fresh
+    # model's loss.
+    other = _corpus(tmp_path / "other.jsonl", 200, 5, "the list")
+    example = [f"task.params.model={out}", f"task.params.tokenizer={out}", f"task.params.text={{train: [{other}]}}"]
+    example += ["task.params.text_key=body", "task.params.max_len=32", "data.batch_size=8", "loop.max_steps=10"]
+    example += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}", "run.name=tuned"]
+    tuned = fit(ROOT / "examples" / "finetune_hf.yaml", overrides=[*example, "scaling.num_workers=0", "run.progress=false"])
+    assert tuned.metrics["step"] == 10 and "eval_bpb" in tuned.metrics
     first = json.loads((Path(tuned.run_dir) / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] < 0.6 * metrics[0]["loss"], (first["loss"], metrics[0]["loss"])
 

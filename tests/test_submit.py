@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,10 +21,10 @@ import torch
 
 from raytrain_loops import storage
 from raytrain_loops.engine.checkpoint import files as ckpt
-from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.digits import DigitsTask
 from tests.multinode import SECOND_NODE_ENV, Cluster, http_get
 
+ROOT = Path(__file__).resolve().parents[1]
 PREEMPTION_DEADLINE_S = 10  # the drain's notice: time to see it and save, short for the suite's budget
 SLOW_S = 0.2  # what a step costs more on the second node
 
@@ -185,16 +186,16 @@ def test_submitted_runs_shard_alike_on_one_node_or_two_and_a_preempted_node_cost
         f"{first_attempt_end}, {first_attempt_end - saved} steps trained again"
     )
 
-    workdir = tmp_path / "job"
-    workdir.mkdir()
-    (workdir / "digits.yaml").write_text(resolve("default").read_text())
-    fixed_args = [*common, f"checkpoint.every_steps={saved}", "scaling.cpus_per_worker=1"]
+    # examples/job/ as its working directory: its recipe (the default recipe's settings, with a
+    # bucket's paths and elastic scaling, overridden here) uploaded with the job.
+    workdir = Path(shutil.copytree(ROOT / "examples" / "job", tmp_path / "job"))
+    fixed_args = [*common, f"checkpoint.every_steps={saved}", "scaling.cpus_per_worker=1", "scaling.min_workers=0"]
     fixed_args += ["scaling.placement_strategy=STRICT_PACK", "run.name=fixed"]
     out = _submit(
-        cluster, tmp_path / "fixed", *fixed_args, "--working-dir", str(workdir), recipe=str(workdir / "digits.yaml")
+        cluster, tmp_path / "fixed", *fixed_args, "--working-dir", str(workdir), recipe=str(workdir / "recipe.yaml")
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert ": python -m raytrain_loops.cli train digits.yaml " in out.stdout  # relative to the working dir
+    assert ": python -m raytrain_loops.cli train recipe.yaml " in out.stdout  # relative to the working dir
     assert f"step 4/{steps}" in out.stdout  # the job's progress lines were followed
     assert "SUCCEEDED; results in " in out.stdout
     fixed_dir = Path(out.stdout.rsplit("results in ", 1)[1].strip())

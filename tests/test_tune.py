@@ -188,19 +188,12 @@ def test_an_interrupted_optuna_sweep_resumes_when_run_again(ray_session, tmp_pat
     """`raytrain-loops tune` with Optuna's TPE, stopped by Ctrl-C mid-sweep; the same command
     finishes it without rerunning the trial that had finished. Both commands join the session's
     Ray (``RAY_ADDRESS``, as on a cluster): the trials of the interrupted one end with its job."""
+    # examples/sweep.yaml's space and search, at a reduced size.
+    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "sweep.yaml").read_text())
+    assert example["search"]["algorithm"] == "optuna"
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(
-        yaml.safe_dump(
-            _sweep(
-                tmp_path,
-                name="resumable",
-                max_concurrent_trials=1,
-                space={"schedules.lr.value": {"loguniform": [1.0e-4, 1.0e-2]}, "data.batch_size": {"choice": [16, 32]}},
-                num_samples=2,
-                search={"algorithm": "optuna", "seed": 3},
-            )
-        )
-    )
+    sweep = _sweep(tmp_path, name="resumable", max_concurrent_trials=1, num_samples=2)
+    sweep_file.write_text(yaml.safe_dump({**sweep, "space": example["space"], "search": example["search"]}))
     command = [
         sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=20",
         f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),

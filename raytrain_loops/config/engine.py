@@ -164,6 +164,15 @@ class AccumConfig:
         "gradient, accum.steps times the mean's (the same sum of accum.steps micro-batches' worth when an "
         "elastic group runs more, smaller ones). Equal before accum.start_epoch; loss.reduction=sum takes mean.",
     )
+    micro_batch: Literal["fixed", "auto"] = opt(
+        "fixed",
+        "fixed: every micro-batch is data.batch_size rows (an out-of-memory error goes to oom.policy). auto: "
+        "data.batch_size is the largest micro-batch tried; an out-of-memory error on any worker halves every "
+        "worker's micro-batch (each batch split in two) and doubles its micro-batches per update, and the same "
+        "update is tried again on the same rows: the global batch and the update are unchanged. The size is kept "
+        "for the rest of the run (checkpoints record it; a restarted group starts from it). Under "
+        "loss.reduction=mean a batch is only split into equal halves.",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "steps")
@@ -322,6 +331,11 @@ class LoggingConfig:
     """Metric cadence, and the smoothing of the progress line."""
 
     every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
+    system_series: bool = opt(
+        False,
+        "Also log the throughput, memory and step-time figures and each worker's own (<name>/rank<r>) as "
+        "TensorBoard and MLflow series (the progress line shows them either way).",
+    )
     smoothing: SmoothingConfig = opt(SmoothingConfig(), "Smoothing of the values the progress line shows.")
     verbose: bool = opt(
         False,

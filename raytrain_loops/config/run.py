@@ -170,7 +170,8 @@ class ScalingConfig:
     cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
     object_store_gb: float = opt(
-        0.0, "Object store of the local Ray instance a run starts, in GB; 0: Ray's default. Not used when joining a cluster."
+        0.0,
+        "Object store of the local Ray instance a run starts, in GB; 0: Ray's default. Not used when joining a cluster.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = opt(
         "PACK", "How workers are placed on nodes (Ray placement-group strategy); STRICT_SPREAD: one per node."
@@ -230,8 +231,9 @@ class RunConfig:
     progress: bool = opt(True, "Print a progress line from rank 0 every logging.every_steps steps.")
     allow_config_change: bool = opt(
         False,
-        "Resume a run directory whose config.yaml differs in more than scaling, run, logging, compile, checkpointing and the run's "
-        "length (its checkpoints hold the state of the old config); refused when false.",
+        "Resume a run directory whose config.yaml differs in more than scaling, run, logging, compile, checkpointing, accum.micro_batch and the run's "
+        "length, or whose task's model differs from model.json (its checkpoints hold the state of the old config or model); "
+        "refused when false.",
     )
 
     def __post_init__(self) -> None:
@@ -246,16 +248,21 @@ class RunConfig:
         at_least(self, 1, "report_every_steps")
 
 
-FAULT_KINDS = ("raise", "kill", "nan", "spike")
+FAULT_KINDS = ("raise", "kill", "nan", "spike", "oom")
 
 
 @dataclass(kw_only=True, slots=True)
 class FaultSpec:
     """One fault of ``fault.plan``."""
 
-    step: int = field(metadata={"help": "The step after which (raise, kill), or at which (nan, spike), it fires."})
+    step: int = field(
+        metadata={"help": "The step after which (raise, kill), at which (nan, spike) or from which on (oom) it fires."}
+    )
     rank: int = opt(0, "The worker it fires on.")
-    kind: str = opt("raise", "raise, kill, nan or spike.")
+    kind: str = opt("raise", "raise, kill, nan, spike or oom.")
+    micro_batch: int = opt(
+        0, "oom: the largest micro-batch (rows) that fits; a forward over more raises an out-of-memory error."
+    )
 
     def __post_init__(self) -> None:
         if self.step < 1:
@@ -264,6 +271,8 @@ class FaultSpec:
             raise ConfigError("rank", f"must be a worker rank >= 0; got {self.rank}")
         if self.kind not in FAULT_KINDS:
             raise ConfigError("kind", f"must be one of {', '.join(FAULT_KINDS)}; got {self.kind!r}")
+        if self.micro_batch < 0 or (self.micro_batch and self.kind != "oom"):
+            raise ConfigError("micro_batch", f"a size >= 0 for kind oom only; got {self.micro_batch} for {self.kind}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -274,7 +283,8 @@ class FaultConfig:
     plan: list[FaultSpec] = opt(
         [],
         "Each {step: N, rank: R, kind: K}: raise (an exception in worker R after step N), kill (SIGKILL of "
-        "worker R after step N), nan or spike (worker R's loss at step N is NaN, or 1000x).",
+        "worker R after step N), nan or spike (worker R's loss at step N is NaN, or 1000x), oom (from step N on, "
+        "worker R runs out of memory in the forward of every micro-batch of more than micro_batch rows).",
     )
 
 
@@ -328,6 +338,8 @@ class Config:
                         f"local mode runs one worker in this process: no kill (it would kill the caller) and no rank "
                         f"above 0; got kind={f.kind}, rank={f.rank}",
                     )
+        if self.accum.micro_batch == "auto":
+            _check_micro_batch(self)
         if self.accum.reduce == "sum" and self.loss.reduction == "sum":
             raise ConfigError(
                 "accum.reduce",
@@ -361,6 +373,24 @@ class Config:
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
         """Build and validate a config from a plain dict."""
         return from_dict(cls, data)
+
+
+def _check_micro_batch(config: Config) -> None:
+    """``accum.micro_batch=auto`` halves a batch where the halves make the same update."""
+    size = config.data.batch_size
+    if size < 2:
+        raise ConfigError(
+            "accum.micro_batch",
+            "auto splits each batch along its rows, and data.batch_size=1 holds one row (a packed row of lm is "
+            "the smallest unit): set data.batch_size >= 2 (and lower the rows per batch) or accum.micro_batch=fixed",
+        )
+    if config.loss.reduction == "mean" and size % 2:
+        raise ConfigError(
+            "accum.micro_batch",
+            f"auto under loss.reduction=mean splits a batch into equal halves only (the mean of unequal halves' "
+            f"means is another update), and data.batch_size={size} is odd: set an even data.batch_size (a power of "
+            "two halves furthest), loss.reduction=sum, or accum.micro_batch=fixed",
+        )
 
 
 def _check_epoch_schedule(name: str, s: Schedule, loop: LoopConfig) -> None:

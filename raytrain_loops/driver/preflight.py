@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError, to_dict
-from raytrain_loops.driver.run_dir import flatten
+from raytrain_loops.driver.run_dir import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
@@ -31,6 +31,7 @@ class DataError(ValueError):
 # it is tracked.
 UNHASHED = ("scaling", "run.name", "run.storage_path", "run.progress", "run.allow_config_change")
 UNHASHED += ("run.max_failures", "run.max_preemptions", "logging.verbose", "logging.mlflow")
+UNHASHED += ("accum.micro_batch",)  # how the rows are cut into micro-batches, not the update
 
 
 def _defaults(config: Config) -> dict[str, Any]:
@@ -108,14 +109,12 @@ def check_blocks(config: Config, task: Task) -> None:
     refused here, naming the key, rather than on every worker. The model is built on the meta
     device (no memory, no initialisation); a model that cannot be is left to the workers' check."""
     wanted = "compile.enabled" if config.compile.enabled else "checkpointing" if config.checkpointing != "none" else ""
-    if not wanted:
+    model = meta_model(task) if wanted else None
+    if model is None:  # nothing to check, or a model built from data or files: the workers check it
         return
-    import torch
-
     try:
-        with torch.device("meta"):
-            blocks = task.blocks(task.build_model())
-    except Exception:  # a model built from data or files: the workers check it
+        blocks = task.blocks(model)
+    except Exception:
         return
     if not blocks:
         raise ConfigError(
@@ -258,6 +257,12 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
         if name != "train" and getattr(split, "batch_sampler", None) is not None:
             raise DataError(f"task {config.task.name!r}, split '{name}': only the train split takes a batch_sampler")
     if getattr(splits["train"], "batch_sampler", None) is not None:
+        if config.accum.micro_batch == "auto":
+            raise ConfigError(
+                "accum.micro_batch",
+                f"task {config.task.name!r}'s train split has its own batch sampler, whose batches it sizes and "
+                "groups itself: auto would split them into other micro-batches; set accum.micro_batch=fixed",
+            )
         check_batch_sampler(config, splits["train"], rows["train"])
     elif rows["train"] // config.scaling.workers < config.data.batch_size:
         raise ConfigError(

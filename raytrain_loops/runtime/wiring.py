@@ -30,7 +30,8 @@ from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.engine.update import precision
-from raytrain_loops.rundir.layout import PRECISION_FILE
+from raytrain_loops.engine.update.micro import Resize
+from raytrain_loops.rundir.layout import MICRO_BATCH_FILE, PRECISION_FILE
 from raytrain_loops.rundir.stops import StopBoard
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
@@ -98,6 +99,27 @@ def announce_start(reporter, engine: Engine, config: Config, world: int, scale: 
         sender.send("start", f"{world} of {config.scaling.num_workers} workers: {k} micro-batches per update")
 
 
+def micro_batches(engine: Engine, run_dir: str, rank: int, sender: Sender) -> None:
+    """``accum.micro_batch=auto``: start from the smaller of the restored checkpoint's micro-batch
+    and the one recorded after the latest OOM (a group restarted because an OOM broke its
+    collectives: only the failing worker knew, and recorded it before raising), and record and
+    announce every change (rank 0, or the failing worker alone before a restart)."""
+    if not engine.micro.auto:
+        return
+    path = storage.join(run_dir, MICRO_BATCH_FILE)
+    text = storage.read_text(path)
+    engine.micro.splits = max(engine.micro.splits, int(json.loads(text)["splits"]) if text else 1)
+    if rank == 0 and engine.micro.splits > 1:
+        sender.send("start", f"micro-batches: each batch split in {engine.micro.splits} (accum.micro_batch=auto)")
+
+    def record(resize: Resize) -> None:
+        if rank == 0 or resize.restart:
+            storage.write_text(path, json.dumps(dataclasses.asdict(resize)) + "\n")
+            sender.send("micro_batch", resize.line())
+
+    engine.micro.on_resize = record
+
+
 def callbacks(
     payload: WorkerPayload,
     engine: Engine,
@@ -123,6 +145,7 @@ def callbacks(
         config.logging.smoothing,
         config.logging.every_steps,
         kept_files(loaded, engine.callback_state),
+        config.logging.system_series,
     )
     log.sender = sender
     counts = task.counts if task.count_keys else None
@@ -134,7 +157,7 @@ def callbacks(
     ]
     callbacks.append(Profile(config.logging.profile, payload.run_dir, rank, engine.device))
     if payload.tracking is not None:
-        callbacks.append(MlflowLog(payload.tracking, rank))
+        callbacks.append(MlflowLog(payload.tracking, rank, system_series=config.logging.system_series))
     return callbacks
 
 
@@ -193,10 +216,12 @@ def wire(
         count_keys=task.count_keys,
         after_step=task.after_step,
         ema_module=ema_module,
+        split_batch=task.split_batch,
     )
     made = reporter(engine)
     made.data = source  # checkpoints record, and resume from, the source's data positions
     position = made.restore(payload.init_checkpoint) or Position()
+    micro_batches(engine, run_dir, rank, sender)
     if rank == 0:
         announce_start(made, engine, config, world, scale, sender, run_dir)
     cbs = callbacks(payload, engine, faults, sender, rank, world, total, plain, made.loaded)

@@ -20,6 +20,7 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.engine.update.micro import split_batch
 from raytrain_loops.storage import StorePath
 
 
@@ -127,6 +128,13 @@ class Task:
         (one all-reduce before the forward passes) and hands the totals to the criterion as
         ``ctx.totals``: global normalisers without a collective in the criterion."""
         return {}
+
+    def split_batch(self, batch: Any, parts: int) -> list[Any]:
+        """A collated training batch cut along its rows into ``parts`` micro-batches
+        (``accum.micro_batch=auto``). The default cuts tensors along their first dimension and
+        lists item by item, through tuples and dicts; a task whose batches carry values that
+        follow from the rows (a token count) gives its own, or the run stops at its first update."""
+        return split_batch(batch, parts)
 
     def after_step(self, model: nn.Module, stats: dict[str, torch.Tensor]) -> None:
         """Called after every applied update with the criterion's ``LossOutput.stats`` summed

@@ -27,6 +27,7 @@ import os
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
+from raytrain_loops.engine.update.micro import split_batch
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 from raytrain_loops.tasks.gpt import GPT
 
@@ -328,6 +330,12 @@ class LMTask(Task):
         shifted = cols < lengths[rows] - 1
         inputs[rows[shifted], cols[shifted] + 1] = flat[shifted]
         return inputs, targets, int(lengths.sum())
+
+    def split_batch(self, batch: Any, parts: int) -> list[Any]:
+        """Sequences cut into ``parts`` micro-batches, each with its own token count."""
+        inputs, targets, _ = batch
+        pieces = split_batch((inputs, targets), parts)
+        return [(i, t, int((t != IGNORE).sum())) for i, t in pieces]
 
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
         inputs, targets, ntokens = batch

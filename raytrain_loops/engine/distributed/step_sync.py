@@ -73,9 +73,21 @@ def recover_from_oom(
     engine: Engine, ctx: StepContext, err: BaseException, local: LocalSums, *, backward: bool, last: bool
 ) -> None:
     """After an OOM in a micro-batch's forward/backward: count it (every worker decides alike
-    after the all-reduce, ``oom.policy``), free the memory and join the collectives at zero
-    weight; or raise :class:`GroupBrokenError` when the other workers are inside collectives of
-    this micro-batch that this one cannot rejoin."""
+    after the all-reduce, ``oom.policy`` or ``accum.micro_batch=auto``), free the memory and join
+    the collectives at zero weight; or raise :class:`GroupBrokenError` when the other workers are
+    inside collectives of this micro-batch that this one cannot rejoin (under
+    ``accum.micro_batch=auto`` this worker halves its micro-batch first and says so, so that the
+    restarted group starts from the smaller one)."""
+    try:
+        _recover(engine, ctx, err, local, backward=backward, last=last)
+    except GroupBrokenError:
+        engine.micro.before_restart(engine)
+        raise
+
+
+def _recover(
+    engine: Engine, ctx: StepContext, err: BaseException, local: LocalSums, *, backward: bool, last: bool
+) -> None:
     rank = collectives.rank()
     if engine.sharded and engine.world_size > 1:
         raise GroupBrokenError(
@@ -95,6 +107,8 @@ def recover_from_oom(
     gc.collect()
     if engine.device.type == "cuda":
         torch.cuda.empty_cache()
+    if engine.micro.auto:  # its zero-weight pass, at the size that just failed, might not fit
+        engine.dummy_batch = engine.micro.smaller(engine.dummy_batch)
     try:
         join_with_dummy(engine, ctx, last, local)
     except Exception as again:

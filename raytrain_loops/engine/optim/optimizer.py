@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
-from raytrain_loops.config.engine import OptimConfig
+from raytrain_loops.config.engine import EngineConfig, OptimConfig
+from raytrain_loops.engine.optim.ema import EMA
+from raytrain_loops.engine.update.precision import grad_scaler
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -71,3 +74,37 @@ def apply_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: floa
     for g in optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
         g["weight_decay"] = weight_decay if g.get("decay", True) else 0.0
+
+
+def frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
+    """The parameters ``freeze.last_layer_pattern`` matches; none is an error when freezing is on."""
+    pattern = re.compile(freeze.last_layer_pattern)
+    frozen = [p for n, p in module.named_parameters() if pattern.search(n)]
+    if freeze.last_layer_epochs > 0 and not frozen:
+        raise ValueError(f"freeze.last_layer_pattern={freeze.last_layer_pattern!r} matches no parameter of the model")
+    return frozen
+
+
+def optimizer_scaler_ema(
+    module: nn.Module,
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    sharded: bool,
+    task_param_groups: list[dict[str, Any]] | None,
+    ema_module: nn.Module | None,
+) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler, EMA | None]:
+    """The optimizer over ``module``'s parameter groups, the loss scaler, and the EMA when
+    ``ema.enabled`` (of ``ema_module``, the model's copy sharded alike, for a sharded model)."""
+    groups = param_groups(module, config.optim, task_param_groups)
+    optimizer = build_optimizer(groups, config.optim)
+    scaler = grad_scaler(config.precision, device)
+    if scaler.is_enabled():
+        scaler.scale(torch.ones((), device=device))  # creates the scale: a first step may have no data
+    if config.ema.enabled and sharded and ema_module is None:
+        raise ValueError(
+            "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
+            "(FSDP modules cannot be deep-copied)"
+        )
+    ema = EMA(module, config.ema.buffers, ema_module) if config.ema.enabled else None
+    return optimizer, scaler, ema

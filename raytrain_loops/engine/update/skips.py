@@ -28,7 +28,7 @@ from raytrain_loops.engine.update.precision import autocast
 if TYPE_CHECKING:
     from raytrain_loops.engine.update.step import Engine, LocalSums
 
-__all__ = ["skip"]
+__all__ = ["retry", "skip"]
 
 
 def skip(engine: Engine, decision: Decision, micro_batches: Sequence[Any], local: LocalSums, ctx: StepContext) -> None:
@@ -57,6 +57,16 @@ def skip(engine: Engine, decision: Decision, micro_batches: Sequence[Any], local
         scaler.update()
     if error is not None:
         raise error
+
+
+def retry(engine: Engine) -> None:
+    """An update that ran out of memory and is tried again with smaller micro-batches
+    (``accum.micro_batch=auto``): its gradients dropped, the OOM counted, the loss scaler's step
+    closed with the scale as it was (memory is no overflow)."""
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.counts["oom"] += 1
+    if engine.scaler.is_enabled():
+        engine.scaler.update(engine.scaler.get_scale())
 
 
 def _overflow(engine: Engine) -> None:

@@ -27,7 +27,6 @@ Per step, on every worker (docs/architecture.md places it among the layers):
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,13 +42,13 @@ from raytrain_loops.engine.distributed import collectives, sharding, step_sync
 from raytrain_loops.engine.length import accum_steps
 from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import schedules
-from raytrain_loops.engine.optim.ema import EMA
-from raytrain_loops.engine.optim.optimizer import apply_values, build_optimizer, param_groups
+from raytrain_loops.engine.optim.optimizer import apply_values, frozen_params, optimizer_scaler_ema
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.update import skips
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
 from raytrain_loops.engine.update.guards import is_oom
-from raytrain_loops.engine.update.precision import autocast, grad_scaler
+from raytrain_loops.engine.update.micro import MicroBatches, SplitFn
+from raytrain_loops.engine.update.precision import autocast
 
 __all__ = ["Engine"]
 
@@ -88,40 +87,6 @@ class LocalSums:
             self.stats[k] = v if k not in self.stats else self.stats[k] + v
 
 
-def _frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
-    """The parameters ``freeze.last_layer_pattern`` matches; none is an error when freezing is on."""
-    pattern = re.compile(freeze.last_layer_pattern)
-    frozen = [p for n, p in module.named_parameters() if pattern.search(n)]
-    if freeze.last_layer_epochs > 0 and not frozen:
-        raise ValueError(f"freeze.last_layer_pattern={freeze.last_layer_pattern!r} matches no parameter of the model")
-    return frozen
-
-
-def _optimizer_scaler_ema(
-    module: nn.Module,
-    config: EngineConfig,
-    device: torch.device,
-    *,
-    sharded: bool,
-    task_param_groups: list[dict[str, Any]] | None,
-    ema_module: nn.Module | None,
-) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler, EMA | None]:
-    """The optimizer over ``module``'s parameter groups, the loss scaler, and the EMA when
-    ``ema.enabled`` (of ``ema_module``, the model's copy sharded alike, for a sharded model)."""
-    groups = param_groups(module, config.optim, task_param_groups)
-    optimizer = build_optimizer(groups, config.optim)
-    scaler = grad_scaler(config.precision, device)
-    if scaler.is_enabled():
-        scaler.scale(torch.ones((), device=device))  # creates the scale: a first step may have no data
-    if config.ema.enabled and sharded and ema_module is None:
-        raise ValueError(
-            "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
-            "(FSDP modules cannot be deep-copied)"
-        )
-    ema = EMA(module, config.ema.buffers, ema_module) if config.ema.enabled else None
-    return optimizer, scaler, ema
-
-
 class Engine:
     """The per-worker training state and its update. Imports no Ray.
 
@@ -152,6 +117,7 @@ class Engine:
         count_keys: Sequence[str] = (),
         after_step: Callable[[nn.Module, dict[str, torch.Tensor]], None] | None = None,
         ema_module: nn.Module | None = None,
+        split_batch: SplitFn | None = None,
     ):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"Engine takes an EngineConfig (a run config's .engine), not {type(config).__name__}")
@@ -171,7 +137,9 @@ class Engine:
         # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
         self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
         self._mean = config.loss.reduction == "mean"
-        self.optimizer, self.scaler, self.ema = _optimizer_scaler_ema(
+        # accum.micro_batch=auto: each batch split into micro.splits, doubled on an OOM anywhere.
+        self.micro = MicroBatches(config.accum.micro_batch == "auto", self._mean, split_batch)
+        self.optimizer, self.scaler, self.ema = optimizer_scaler_ema(
             self.module,
             config,
             self.device,
@@ -180,7 +148,7 @@ class Engine:
             ema_module=ema_module,
         )
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self._frozen = _frozen_params(self.module, config.freeze)
+        self._frozen = frozen_params(self.module, config.freeze)
         if bool(counts) != bool(count_keys):
             raise ValueError("Engine: counts and count_keys go together (the keys fix the all-reduce's layout)")
         self._counts, self._count_keys = counts, tuple(count_keys)
@@ -206,8 +174,19 @@ class Engine:
 
     def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
-        has run out of data: it still joins the collectives, contributing nothing)."""
+        has run out of data: it still joins the collectives, contributing nothing). Under
+        ``accum.micro_batch=auto`` each is split into ``micro.splits``, and an OOM on any worker
+        doubles them on every worker and tries the same update again (:mod:`.micro`)."""
         start = time.perf_counter()
+        attempt = self.micro.attempt(self.module)
+        while True:
+            result = self._try_step(self.micro.parts(micro_batches), start, data_time)
+            if result is not None:
+                return result
+            attempt.restore()
+
+    def _try_step(self, micro_batches: Sequence[Any], start: float, data_time: float) -> StepResult | None:
+        """The update over these micro-batches; None when an OOM halved them (try again)."""
         values = self.schedule_values()
         apply_values(self.optimizer, values["lr"], values["weight_decay"])
         self.model.train()
@@ -226,6 +205,9 @@ class Engine:
                 "(pass after_step=task.after_step)"
             )
         decision = decide(reduced, fp16=self.scaler.is_enabled())
+        if decision is Decision.SKIP_OOM and self.micro.halve(self, int(local.ooms)):
+            skips.retry(self)
+            return None
         if decision is Decision.APPLY:
             self._apply(reduced, grads, values["ema_momentum"])
             if self._after_step is not None and stats:
@@ -380,6 +362,7 @@ class Engine:
             "counters": {
                 "step": self.step,
                 "epoch": self.epoch,
+                "micro_batch_splits": self.micro.splits,
                 **{f"count_{k}": v for k, v in self.counts.items()},
                 **{f"in_a_row_{k}": v for k, v in self.in_a_row.items()},
             },
@@ -428,6 +411,7 @@ class Engine:
         c = state["counters"]
         self.step, self.epoch = int(c["step"]), int(c["epoch"])
         self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
+        self.micro.splits = int(c.get("micro_batch_splits", 1))  # 1 in checkpoints from before it
         # Checkpoints written before these were saved resume with no skips in a row and no
         # callback state.
         self.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.in_a_row}
