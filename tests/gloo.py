@@ -60,6 +60,7 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch.nn.parallel",
+    "torch._dynamo",  # DistributedDataParallel.__init__ imports it: seconds in every worker otherwise
     "pyarrow.parquet",
     "raytrain_loops.config",
     "raytrain_loops.data",

@@ -161,7 +161,7 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     assert run.data.params["loop.max_steps"] == "36" and run.data.params["scaling.num_workers"] == "2"
     assert (
         run.data.params["fault.plan"]
-        == "[{'step': 15, 'rank': 1, 'kind': 'kill'}, {'step': 27, 'rank': 0, 'kind': 'raise'}]"
+        == "[{'step': 15, 'rank': 1, 'kind': 'kill', 'micro_batch': 0}, {'step': 27, 'rank': 0, 'kind': 'raise', 'micro_batch': 0}]"
     )
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(2, 37, 2))
     evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval_accuracy"))

@@ -56,7 +56,7 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
     line = next(x for x in console.splitlines() if "step 25/63" in x)
     for part in ("| epoch 1 | loss ", " acc ", "| lr ", "| data ", "s batch ", "| eta "):
         assert part in line, line  # the criterion's terms, the lr, waiting for data against the step
-    assert "epoch 2 ended at step 63, averages over the epoch: loss " in console
+    assert "epoch 2 ended at step 63, averages over the epoch (train_*): loss " in console
     _assert_a_clean_console(console, run_dir)
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -108,7 +108,7 @@ class OptimConfig:
     betas: list[float] = opt([0.9, 0.999], "Adam(W) betas.")
     eps: float = opt(1e-8, "Adam(W) epsilon.")
     momentum: float = opt(0.9, "SGD momentum.")
-    nesterov: bool = opt(False, "SGD Nesterov momentum.")
+    nesterov: bool = opt(False, "SGD Nesterov momentum (seamseg); needs name=sgd and momentum > 0.")
     param_groups: Literal["decay_split", "single", "task"] = opt(
         "decay_split",
         "decay_split: weights first, then biases and norm parameters (1-D tensors); "
@@ -123,6 +123,9 @@ class OptimConfig:
             raise ConfigError("betas", f"must be two numbers in [0, 1); got {self.betas}")
         if self.eps <= 0:
             raise ConfigError("eps", f"must be > 0; got {self.eps}")
+        if self.nesterov and (self.name != "sgd" or self.momentum <= 0):
+            got = f"name={self.name}" if self.name != "sgd" else f"momentum={self.momentum}"
+            raise ConfigError("nesterov", f"is SGD's Nesterov momentum: needs name=sgd and momentum > 0; got {got}")
 
 
 @dataclass(kw_only=True, slots=True)

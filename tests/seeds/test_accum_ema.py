@@ -239,3 +239,34 @@ def test_deviation_the_epochs_leftover_micro_batch_is_read_and_dropped_without_a
     assert engine.step == 6 and engine.counts["micro_batches"] == 12
     assert len(calls) == 12  # no forward on the two leftovers
     assert source.yielded == [(e, i) for e in range(2) for i in range(7)]  # read to the end
+
+
+def _cvnets_micro_batches_run(max_iterations: int, batches_per_epoch: int) -> int:
+    """cvnets' stop, transcribed: before each micro-batch, ``if train_iterations > max_iterations:
+    stop``; ``train_iterations`` counts micro-batches from 0 and grows after each."""
+    train_iterations = 0
+    while True:
+        for _ in range(batches_per_epoch):
+            if train_iterations > max_iterations:
+                return train_iterations
+            train_iterations += 1
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_deviation_the_run_stops_after_loop_max_steps_updates_not_one_micro_batch_more(accum):
+    """cvnets' ``train_iterations > max_iterations`` stop runs ``max_iterations + 1`` micro-batches
+    (and with accumulation, the last may be a leftover whose gradient is never applied). The
+    engine stops after ``loop.max_steps`` updates, ``loop.max_steps x accum.steps``
+    micro-batches: the run's length is a count of updates, as the schedules' ``n`` and the
+    checkpoints' step are."""
+    calls = []
+
+    def counting(model, batch, ctx):
+        calls.append(ctx.step)
+        return fakes.mean_loss(model, batch, ctx)
+
+    # 7 batches an epoch; 5 updates cross into the second epoch when accumulating.
+    engine, _, reporter = _run("loop.max_steps=5", f"accum.steps={accum}", loss_fn=counting)
+    assert engine.step == 5 and reporter.reports[-1]["metrics"]["step"] == 5
+    assert len(calls) == engine.counts["micro_batches"] == 5 * accum
+    assert _cvnets_micro_batches_run(5 * accum, 7) == 5 * accum + 1
