@@ -64,8 +64,8 @@ class LoopConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PreprocessConfig:
-    """Where a task's ``preprocess`` runs: Ray Data tasks, each reading one window of a worker's
-    rows and preprocessing it, scheduled wherever the cluster has CPUs."""
+    """Where a task's ``preprocess`` runs: Ray tasks, each reading one window of a worker's rows
+    and preprocessing it, spread over the cluster's nodes with CPUs."""
 
     num_cpus: float = opt(1.0, "CPUs each preprocessing task reserves.")
     concurrency: int = opt(0, "Most preprocessing tasks at once per training worker (0: as many as the CPUs allow).")
