@@ -70,10 +70,20 @@ class PreprocessConfig:
     num_cpus: float = opt(1.0, "CPUs each preprocessing task reserves.")
     concurrency: int = opt(0, "Most preprocessing tasks at once per training worker (0: as many as the CPUs allow).")
     batch_rows: int = opt(256, "Rows per call of Task.preprocess.")
+    resources: dict[str, float] = opt(
+        {},
+        "Custom Ray resources each preprocessing task asks too (e.g. {preprocess: 1}: only on nodes that advertise it).",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 0, "num_cpus", "concurrency")
         at_least(self, 1, "batch_rows")
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory") or amount <= 0:
+                raise ConfigError(
+                    f"resources.{name}",
+                    f"must name a custom resource with an amount > 0 (CPUs: data.preprocess.num_cpus); got {amount}",
+                )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,7 +180,8 @@ class ScalingConfig:
     cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
     object_store_gb: float = opt(
-        0.0, "Object store of the local Ray instance a run starts, in GB; 0: Ray's default. Not used when joining a cluster."
+        0.0,
+        "Object store of the local Ray instance a run starts, in GB; 0: Ray's default. Not used when joining a cluster.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = opt(
         "PACK", "How workers are placed on nodes (Ray placement-group strategy); STRICT_SPREAD: one per node."

@@ -99,7 +99,7 @@ def _parts(
     the node that preprocessed it."""
     p = data.preprocess
     shared = [ray.put(x) for x in (task.preprocessing_copy(), index, plan)]  # stored once, read by every task
-    call = _read_and_preprocess.options(num_cpus=p.num_cpus, scheduling_strategy="SPREAD")
+    call = _read_and_preprocess.options(num_cpus=p.num_cpus, resources=p.resources, scheduling_strategy="SPREAD")
 
     def submit(unit: Unit) -> Any:
         return call.remote(*shared, unit, seeds, p.batch_rows, train)
