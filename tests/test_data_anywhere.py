@@ -218,7 +218,8 @@ def test_a_preprocessing_task_that_fails_to_read_a_file_reaches_the_cli_as_its_o
         list(preprocessed(_Labels(), DataConfig(), eval_plan(index, 1, 0), index, 0, (0, 0), False))
     assert _failed("train", caught.value) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("raytrain-loops: train failed: FileNotFoundError: ") and str(missing) in last
+    assert last.startswith(f"raytrain-loops: train failed: OSError: reading row group 0 of {missing}: ")
+    assert "No such file or directory" in last
     assert "(in Ray task " in last and " on node " in last and "Traceback" not in last
     # As a training worker's failure reaches the driver: pickled (Ray Train returns the exception).
     from ray import cloudpickle
