@@ -183,8 +183,9 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "tune":
         print(f"sweep directory: {swept.sweep_dir}")
         return 0
-    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
-    print(f"finished in {result.wall_time:.1f}s: {shown}")
+    if result.trained:  # a finished run's rerun said what it holds
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()) if k.startswith("eval_"))
+        print(f"finished in {result.wall_time:.1f}s: {shown}")
     print(f"run directory: {result.run_dir}")
     return 0
 

@@ -3,7 +3,7 @@
 invocation.
 
 A generated split: ``--gb`` of 64x64 RGB images stored as encoded PNG bytes (a ``label`` beside
-them), in files of 8,192 rows with row groups of 128 rows, as the README recommends.
+them), in files of 8,192 rows with row groups of 128 rows, as docs/data.md recommends.
 
 1. Rows per second delivered to the loop (the worker's chain: the epoch's plan, windows read
    ahead on a thread, permuted, cut into batches of 64) against pyarrow reading every row group

@@ -56,7 +56,7 @@ PEAK_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100
 
 SIZES = {
     # the lm recipe's model and batches before it was sized for 2-core CPUs (it now has 3 blocks and
-    # batches of 2,048 bytes); kept so that the README's GPU figures stay comparable
+    # batches of 2,048 bytes); kept so that docs/benchmarks.md's GPU figures stay comparable
     "small": dict(dim=128, layers=4, heads=4, max_len=256, max_tokens=4096),
     # GPT-2-small-like on bytes: 12 layers of width 768, 12 heads, 1024-byte sequences, 16k tokens a step
     "gpt": dict(dim=768, layers=12, heads=12, max_len=1024, max_tokens=16384),

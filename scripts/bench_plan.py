@@ -4,7 +4,7 @@
 :func:`eval_plan` call, and the size of the plan a worker keeps.
 
 The split is simulated (an index, no files): ``--rows`` rows in files of 8,192 rows with row
-groups of 128 rows, as the README recommends, chunks of 128 rows (``data.shuffle_chunk_rows``'s
+groups of 128 rows, as docs/data.md recommends, chunks of 128 rows (``data.shuffle_chunk_rows``'s
 default).
 
     .venv/bin/python scripts/bench_plan.py [--rows 10000000] [--world 1 8] [--repeats 3]

@@ -97,7 +97,7 @@ def test_bad_recipe_files_are_named(tmp_path):
 
 def test_a_task_argument_that_a_recipe_gives_as_a_mapping_takes_a_path_on_the_command_line():
     """hf_lm's ``model`` is an inline config in the recipe and a model directory when fine-tuning
-    (the README's command); a section of the config itself still refuses a bare value."""
+    (docs/hf.md's command); a section of the config itself still refuses a bare value."""
     from raytrain_loops.recipes import resolve
 
     config = load_config(resolve("hf_lm"), ["task.params.model=my_model", "task.params.tokenizer=my_model"])

@@ -1,8 +1,8 @@
-"""What the docs tell a user to type works: every relative link in README.md, docs/ and
-clusters/README.md resolves, and every ``raytrain-loops`` command line in them parses (the verb and
-its flags, each override's key and value against the recipe, ``task.params.*`` against the named
-task's constructor). A synopsis (``RECIPE``, ``<checkpoint>``, ``[key=value ...]``) is checked for
-its verb and flags only."""
+"""What the docs tell a user to type works, and the README stays a landing page: every relative
+link in README.md, docs/ and clusters/README.md resolves, and every ``raytrain-loops`` command
+line in them parses (the verb and its flags, each override's key and value against the recipe,
+``task.params.*`` against the named task's constructor). A synopsis (``RECIPE``,
+``<checkpoint>``, ``[key=value ...]``) is checked for its verb and flags only."""
 
 from __future__ import annotations
 
@@ -112,3 +112,45 @@ def test_the_checks_find_a_bad_key_a_bad_flag_and_an_unknown_task_parameter(tmp_
         ["export", "ck", "out"],
         ["train", "default", "loop.epochs=3"],
     ]
+
+
+def test_the_readme_is_a_landing_page_that_links_every_docs_page():
+    """At most 250 lines; the set-up and test commands CI runs (``.ci/run`` runs the README's
+    ``scripts/test.sh``); every page of docs/ reachable from it."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert re.search(r"^scripts/demo\.sh\s", text, re.M) and re.search(r"^scripts/test\.sh\s", text, re.M)
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    linked = {Path(t.split("#")[0]).name for t in re.findall(r"\]\((docs/[^)\s]+)\)", text)}
+    assert sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name not in linked) == []
+
+
+def test_every_guide_starts_with_the_command_or_code_that_does_the_thing():
+    """A page of docs/ opens, after its title, with a code block (the generated references open
+    with what generated them)."""
+    late = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        blocks = page.read_text().split("\n\n")
+        if "Generated from the code" not in blocks[1] and not blocks[1].startswith("```"):
+            late.append(page.name)
+    assert late == []
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but hyphens and
+    underscores dropped, spaces made hyphens."""
+    headings = re.findall(r"^#+ (.*)$", FENCE.sub("", page.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_to_a_section_names_a_heading_of_its_page():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+#[^)\s]+)\)", FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, anchor = target.split("#", 1)
+            linked = (page.parent / path) if path else page
+            if linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []

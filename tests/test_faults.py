@@ -148,9 +148,9 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     assert records(run_dir / "eval.jsonl") == records(Path(clean.run_dir) / "eval.jsonl")
     assert _steps_in(run_dir, "epochs.jsonl") == [10, 20, 30]
     scalars = tb_scalars(run_dir / "tb")
-    assert [s for s, _ in scalars["train/loss"]] == list(range(2, 37, 2))
-    assert [s for s, _ in scalars["eval/accuracy"]] == [13, 26, 36]
-    assert [s for s, _ in scalars["epoch/loss"]] == [0, 1, 2]
+    assert [s for s, _ in scalars["loss"]] == list(range(2, 37, 2))
+    assert [s for s, _ in scalars["eval_accuracy"]] == [13, 26, 36]
+    assert [s for s, _ in scalars["train_loss"]] == [10, 20, 30]  # each epoch's average at its last step
     client = pytest.importorskip("mlflow").MlflowClient(store)
     (run,) = client.search_runs(
         [client.get_experiment_by_name("raytrain-loops").experiment_id], "attributes.run_name = 'faulty'"

@@ -405,16 +405,25 @@ def test_a_ddp_run_goes_on_under_fsdp_from_its_plain_checkpoint_with_the_same_up
 
 
 @pytest.mark.ray
-def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and_exports(ray_session, tmp_path):
+def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_exports(ray_session, tmp_path):
+    """The lm recipe's epoch on 2 Ray workers under FSDP: it counts every token it trains on (the
+    2-worker plan's rows), checkpoints shards, continues in one process and exports."""
     import json
+    import math
     import sysconfig
     from pathlib import Path
 
+    import numpy as np
+    import pyarrow.parquet as pq
+
     from raytrain_loops import fit
     from raytrain_loops.cli import main
+    from raytrain_loops.config import load_config
+    from raytrain_loops.data.parquet import index_split
     from raytrain_loops.engine.checkpoint import files as ckpt
     from raytrain_loops.recipes import resolve
     from raytrain_loops.tasks.lm import LMTask
+    from tests.test_lm import _trained_rows
 
     params = dict(dim=32, layers=2, heads=2, max_len=128, max_tokens=1024, val_percent=20.0)
     params["source"] = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
@@ -422,11 +431,12 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
         "scaling.strategy=fsdp",
         "checkpointing=full",
         "ema.enabled=true",
-        "loop.max_steps=6",
-        "checkpoint.every_steps=3",
+        "loop.max_steps=0",
+        "loop.epochs=1",
+        "checkpoint.every_steps=12",
         "eval.every_steps=0",  # at the end of the run: 3 eval rows, 2 on one worker and 1 on the other
         "schedules.lr.warmup_steps=0",
-        "logging.every_steps=3",
+        "logging.every_steps=5",
         "run.name=fsdp",
         "run.progress=false",
         f"data.dir={tmp_path / 'data'}",
@@ -434,23 +444,45 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_on_one_worker_and
     ]
     result = fit(resolve("lm"), overrides=overrides)
     run_dir = Path(result.run_dir)
-    assert result.metrics["eval_bpb"] < 8.0 and "eval_ema_bpb" in result.metrics
+    assert result.metrics["eval_bpb"] < math.log2(256) and "eval_ema_bpb" in result.metrics  # better than uniform bytes
     # FLOPs of the whole model, counted on its plain structure: at least the matrix products'.
     d, layers = params["dim"], params["layers"]
     m = result.metrics
     assert m["flops_per_sample"] > 6 * (12 * d * d * layers + 256 * d) and m["gflops_per_s"] > 0
-    final = run_dir / "checkpoint_00000006"
+
+    # Every token it trained on counted: one packed row per worker and step, over the epoch's plan.
+    task = LMTask(**params)
+    splits = task.splits(tmp_path / "data")
+    train_rows = pq.read_table(splits["train"].path).column("tokens").to_pylist()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == len(train_rows) // 2 and all(r["applied"] for r in records)
+    assert len({r["sample_size"] for r in records}) > 1  # variable-size batches
+    splits["train"].index = index_split(splits["train"].path, splits["train"].columns)
+    config = load_config(resolve("lm"), overrides)
+    trained = _trained_rows(splits["train"], config.data, config.loop.seed)
+    assert sum(r["sample_size"] for r in records) == sum(len(train_rows[i]) for i in trained)
+    assert m["sample_size_per_s"] > 0
+    # The unigram baseline is scored on exactly the validation bytes the model was scored on: every
+    # row of the split, once.
+    bits = np.array(json.loads((task.data_subdir(tmp_path / "data") / "stats.json").read_text())["unigram_bits"])
+    valid_rows = pq.read_table(splits["eval"].path).column("tokens").to_pylist()
+    baseline = sum(bits[np.frombuffer(r, dtype=np.uint8)].sum() for r in valid_rows) / sum(map(len, valid_rows))
+    assert abs(baseline - m["eval_unigram_bpb"]) < 1e-4, (baseline, m)
+
+    steps = len(records)
+    final = run_dir / f"checkpoint_{steps:08d}"
     assert ckpt.verify(final) == 2 and ckpt.is_sharded(final)
     assert {p.name for p in (final / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
 
-    # The same run goes on with one worker: the two workers' shards resharded into one.
-    fit(resolve("lm"), overrides=[*overrides, "loop.max_steps=8", "scaling.num_workers=1"])
+    # The same run goes on in one process (local mode, no second Ray run): the two workers' shards
+    # gathered into one whole model (resharding under FSDP at another world: the gloo tests above).
+    fit(resolve("lm"), overrides=[*overrides, f"loop.max_steps={steps + 2}", "scaling.num_workers=0"])
     init = json.loads((run_dir / "init.json").read_text())
-    assert init["checkpoint"].endswith("checkpoint_00000006") and init["world_size"] == 2
-    assert ckpt.verify(run_dir / "checkpoint_00000008") == 1
+    assert init["checkpoint"].endswith(final.name) and init["world_size"] == 2
+    assert ckpt.verify(run_dir / f"checkpoint_{steps + 2:08d}") == 1
 
     assert main(["export", str(final), str(tmp_path / "state.pt")]) == 0
-    model = LMTask(**params).build_model()
+    model = task.build_model()
     model.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True)["model"])  # strict: every key
 
 

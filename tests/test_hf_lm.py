@@ -1,7 +1,7 @@
 """The hf_lm task: a transformers causal LM with a BPE trained on the driver, text packed once and
 tokenized in ``Task.preprocess``, trained in local mode (the loop is the same on Ray), exported as
 a directory transformers loads, and fine-tuned from it. Tiny configs; the recipe's figures are in
-the README."""
+docs/hf.md."""
 
 from __future__ import annotations
 

@@ -400,8 +400,8 @@ def test_a_run_resumed_from_a_checkpoint_logs_each_step_epoch_and_evaluation_onc
     assert [r["step"] for r in logs["metrics.jsonl"]] == list(range(1, 13))
     assert [(r["step"], r["epoch"]) for r in logs["eval.jsonl"]] == [(4, 1), (8, 2), (12, 3)]
     assert [(r["epoch"], r["step"]) for r in logs["epochs.jsonl"]] == [(0, 4), (1, 8), (2, 12)]
-    assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6, 8, 10, 12]
-    assert [s for s, _ in scalars["eval/mse"]] == [4, 8, 12]
-    assert [s for s, _ in scalars["epoch/loss"]] == [0, 1, 2]  # by epoch
+    assert [s for s, _ in scalars["loss"]] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in scalars["eval_mse"]] == [4, 8, 12]
+    assert [s for s, _ in scalars["train_loss"]] == [4, 8, 12]  # the epoch's average, at its last step
     # The uninterrupted run's records, value for value.
     assert (logs, scalars) == _logged(tmp_path / "straight")

@@ -168,7 +168,9 @@ def test_the_progress_line_shows_every_term_smoothed_the_lr_and_data_and_batch_t
         log.on_interval({**metrics, **times, **speed}, step=10 * (i + 1))
         state = state or log.state_dict()
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert " steps/s, 1201 samples/s, MFU 25.0% | eta " in line, line  # the interval's, over all workers
+    # The interval's rates over one span, its step time (batch 0.070 s): then the eta at the rate since the start.
+    assert "| 14.3 steps/s, 1201 samples/s, MFU 25.0% (step time) | eta " in line, line
+    assert line.endswith(" steps/s overall)"), line
     assert "gflops" not in line and "rank0" not in line  # throughput figures are not loss terms
     m = 0.9  # the default momentum
     smooth = lambda a, b: (m * a + b) / (m + 1)  # noqa: E731
@@ -204,7 +206,23 @@ def test_an_epochs_averages_go_to_epochs_jsonl_and_the_console(tmp_path, capsys)
     ]
     out = capsys.readouterr().out.splitlines()[-1]
     assert out == (
-        "epoch 1 ended at step 42, averages over the epoch: loss 0.25 acc 0.875 | lr 1.00e-03 | "
+        "epoch 1 ended at step 42, averages over the epoch (train_*): loss 0.25 acc 0.875 | lr 1.00e-03 | "
         "data_time 0.002s | batch_time 0.100s"
     )
     assert not (tmp_path / "metrics.jsonl").read_text()  # the per-step log keeps one line per step only
+
+
+def test_throughput_memory_and_per_worker_series_go_to_tensorboard_only_with_system_series(tmp_path):
+    from tests.runfiles import tb_scalars
+
+    interval = {"loss": 0.5, "lr": 1e-3, "step": 10.0, "epoch": 0.0, "batch_time": 0.1, "samples_per_s": 640.0}
+    interval.update({"samples_per_s/rank0": 320.0, "cpu_peak_rss_gib": 1.5, "mfu": 0.3})
+    epoch = {"train_loss": 0.4, "train_data_time": 0.01, "train_sample_size": 64.0}
+    for system, expected in ((False, {"loss", "lr", "train_loss"}), (True, (set(interval) | set(epoch)) - {"step", "epoch"})):
+        log = RunLog(str(tmp_path / str(system)), rank=0, total_steps=20, progress=False, system_series=system)
+        log.on_interval(interval, step=10)
+        log.on_epoch(epoch, step=12, epoch=0)
+        log.close()
+        scalars = tb_scalars(tmp_path / str(system) / "tb")
+        assert set(scalars) == expected
+        assert scalars["train_loss"] == [(12, pytest.approx(0.4))]  # against the step, not the epoch

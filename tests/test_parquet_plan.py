@@ -117,7 +117,7 @@ def test_evaluation_reads_every_row_once_in_storage_order(split):
 
 
 def test_a_resumed_epoch_reads_only_the_rows_left_and_continues_with_the_same_rows(tmp_path):
-    # Row groups of one chunk each (as the README recommends): 100 files of 200 rows.
+    # Row groups of one chunk each (as docs/data.md recommends): 100 files of 200 rows.
     index = sorted_split(tmp_path / "grouped", row_group_size=128, files=100)
     buffer = 1000
     full, _, read_all = share(index, 0, 2, 0, buffer=buffer)

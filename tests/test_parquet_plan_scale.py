@@ -96,7 +96,7 @@ def test_every_workers_plan_is_the_reference_deals_row_for_row(shape):
 
 
 def test_a_plan_call_never_holds_the_splits_chunk_list():
-    # 2M rows in row groups of 128 rows (as the README recommends), chunks of 128 rows: 15,625
+    # 2M rows in row groups of 128 rows (as docs/data.md recommends), chunks of 128 rows: 15,625
     # chunks, whose list of (file, row group, start, stop) takes 500 kB.
     index = index_of([[128] * 64] * (2_000_000 // 128 // 64) + [[128] * (2_000_000 // 128 % 64)])
     count = index.rows // 128

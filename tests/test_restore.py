@@ -102,7 +102,7 @@ def test_a_run_log_keeps_what_the_runs_own_checkpoint_recorded_and_nothing_when_
     resumed = RunLog(str(run), rank=0, total_steps=8, progress=False, start_step=4, kept=recorded)
     resumed.close()
     assert [r["step"] for r in records(run / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert [s for s, _ in tb_scalars(run / "tb")["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in tb_scalars(run / "tb")["loss"]] == [1, 2, 3, 4]
     fresh = RunLog(str(run), rank=0, total_steps=8, progress=False, kept={})
     fresh.on_step(step, 1, 0)
     fresh.close()

@@ -105,8 +105,8 @@ def test_the_run_log_on_a_bucket_continues_from_the_checkpoint_the_next_attempt_
     evals = [json.loads(line) for line in storage.read_text(storage.join(run, "eval.jsonl")).splitlines()]
     assert [(e["step"], e["eval_accuracy"]) for e in evals] == [(4, 0.4), (8, 0.7)]
     scalars = tb_scalars(Path(storage.download_dir(storage.join(run, "tb"), str(tmp_path / "tb"))))
-    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
-    assert [s for s, _ in scalars["eval/accuracy"]] == [4, 8]
+    assert [s for s, _ in scalars["loss"]] == list(range(1, 9))
+    assert [s for s, _ in scalars["eval_accuracy"]] == [4, 8]
     assert not os.path.exists(second.local_dir)  # closed: its local copy is gone
 
 

@@ -186,7 +186,7 @@ def _dino_centre(rank: int, world: int):
         recorded.append((ctx.micro_index, out.stats["center"].clone()))
         return out
 
-    engine = Engine(model, criterion, cfg.engine, total_steps=2, after_step=task.after_step)
+    engine = Engine(model, criterion, cfg.engine, total_steps=2, total_epochs=1, after_step=task.after_step)
     g = torch.Generator().manual_seed(rank)
     images = [(torch.rand(n, 1, 8, 8, generator=g), torch.zeros(n, dtype=torch.long)) for n in (4, 6)]
     batches = images if rank == 0 else [images[0], None]

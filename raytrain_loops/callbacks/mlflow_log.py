@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from raytrain_loops.callbacks.series import series
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine.loop import Callback
 
@@ -108,7 +109,9 @@ def failure_reason(err: Exception) -> str:
 
 class MlflowLog(Callback):
     """Rank 0's metrics in the MLflow run: each logging interval's metrics (averaged over all
-    workers) and each evaluation, at their step.
+    workers), each epoch's averages (``train_<name>``) and each evaluation, at their step, under
+    the names the console and the files use (:func:`~raytrain_loops.callbacks.series.series`:
+    the system figures with ``system_series``).
 
     The requests go out from a background thread, fed by a queue of at most ``max_pending``
     batches, so the training thread never waits on the tracking store: a batch that finds the
@@ -124,8 +127,9 @@ class MlflowLog(Callback):
     so every metric has one value per step.
     """
 
-    def __init__(self, run: TrackedRun | None, rank: int, max_pending: int = MAX_PENDING):
+    def __init__(self, run: TrackedRun | None, rank: int, max_pending: int = MAX_PENDING, system_series: bool = False):
         self.enabled = run is not None and rank == 0
+        self.system_series = system_series
         if not self.enabled:
             return
         self.run = run
@@ -149,7 +153,11 @@ class MlflowLog(Callback):
 
     def on_interval(self, metrics: dict[str, float], step: int) -> None:
         if self.enabled:
-            self._submit({k: v for k, v in metrics.items() if k != "step"}, step)
+            self._submit(series(metrics, self.system_series), step)
+
+    def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        if self.enabled:
+            self._submit(series(metrics, self.system_series), step)
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if self.enabled:

@@ -26,6 +26,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.callbacks import throughput
+from raytrain_loops.callbacks.series import series
 from raytrain_loops.config.engine import SmoothingConfig
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import StepResult
@@ -76,6 +77,8 @@ class RunLog(Callback):
     """Writes ``metrics.jsonl`` (one line per step), ``eval.jsonl`` (one per evaluation),
     ``epochs.jsonl`` (one per finished epoch: its averages over all workers) and ``tb/`` for
     rank 0, and prints the progress line, its values smoothed as ``smoothing`` says.
+    TensorBoard's series (:func:`~raytrain_loops.callbacks.series.series`; the system ones with
+    ``system_series``) carry the names the files and the console use, each against the step.
 
     ``kept``: the length in bytes of each file (relative to the run directory) to keep from the
     run's earlier attempts, as the checkpoint the run resumes from recorded it (:func:`kept_files`);
@@ -96,8 +99,10 @@ class RunLog(Callback):
         smoothing: SmoothingConfig | None = None,
         steps_per_interval: int = 1,
         kept: dict[str, int] | None = None,
+        system_series: bool = False,
     ):
         self.enabled = rank == 0
+        self.system_series = system_series
         self.workers = workers
         self.total_steps = total_steps
         self.progress = progress
@@ -189,44 +194,51 @@ class RunLog(Callback):
         if not self.enabled:
             return
         self._steps.flush()
-        for name, value in metrics.items():
-            self._tb.add_scalar(f"train/{name}", value, step)
+        for name, value in series(metrics, self.system_series).items():
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             self._show("progress", self.progress_line(metrics, step), step=step, total=self.total_steps)
 
     def progress_line(self, metrics: dict[str, float], step: int) -> str:
         """One line: the step, the epoch, the loss and every term (smoothed), the lr, the data
-        and batch time (smoothed: waiting for data against the whole step), the rate and eta."""
+        and batch time (smoothed: waiting for data against the whole step), the rates and eta.
+
+        Steps/s and samples/s are measured over one span, the interval's step time (computing
+        and waiting for data), so samples/s is steps/s times the global batch; the eta comes from
+        the rate since this attempt started (evaluations, checkpoints and logging included),
+        shown beside it as ``overall``."""
         elapsed = time.perf_counter() - self._t0
         done = max(step - self._start_step, 1)
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total_steps - step) / rate if rate > 0 else math.inf
+        overall = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_steps - step) / overall if overall > 0 else math.inf
         eta_text = str(timedelta(seconds=int(eta))) if math.isfinite(eta) else "?"
+        busy = metrics.get("batch_time", 0.0)  # the interval's mean step time, over all workers
+        rates = f"{1 / busy:.1f} steps/s{_throughput(metrics)} (step time) | " if busy > 0 else ""
         smoothed = self.smoothed
         epoch = metrics.get("epoch")
         return (
             f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.0f}%) | "
             f"epoch {int(epoch) if epoch is not None else '?'} | {_terms(smoothed) or 'loss ?'} | "
             f"lr {metrics.get('lr', math.nan):.2e} | data {smoothed.get('data_time', math.nan):.3f}s "
-            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rate:.1f} steps/s{_throughput(metrics)} | eta {eta_text}"
+            f"batch {smoothed.get('batch_time', math.nan):.3f}s | {rates}eta {eta_text} ({overall:.1f} steps/s overall)"
         )
 
     def on_epoch(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        """The epoch's averages over all workers: a line of ``epochs.jsonl``, TensorBoard scalars
-        by epoch, and a line on the console."""
+        """The epoch's averages over all workers (``train_<name>``): a line of ``epochs.jsonl``,
+        TensorBoard scalars at the epoch's last step, and a line on the console."""
         if not self.enabled:
             return
         self._epochs.write(json.dumps({"epoch": epoch, "step": step, **metrics, "time": time.time()}) + "\n")
         self._epochs.flush()
-        for name, value in metrics.items():
-            self._tb.add_scalar(name.replace("train_", "epoch/", 1), value, epoch)
+        for name, value in series(metrics, self.system_series).items():
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             means = {k.removeprefix("train_"): v for k, v in metrics.items()}
             shown = " | ".join(
                 [_terms(means), f"lr {means.get('lr', math.nan):.2e}"]
                 + [f"{k} {means[k]:.3f}s" for k in ("data_time", "batch_time") if k in means]
             )
-            self._show("epoch", f"epoch {epoch} ended at step {step}, averages over the epoch: {shown}", step=step)
+            self._show("epoch", f"epoch {epoch} ended at step {step}, averages over the epoch (train_*): {shown}", step=step)
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if not self.enabled:
@@ -234,7 +246,7 @@ class RunLog(Callback):
         self._evals.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
         self._evals.flush()
         for name, value in metrics.items():
-            self._tb.add_scalar(name.replace("eval_", "eval/", 1), value, step)
+            self._tb.add_scalar(name, value, step)
         if self.progress:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
             self._show("eval", f"eval at step {step}: {shown}", step=step)

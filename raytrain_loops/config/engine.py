@@ -322,6 +322,11 @@ class LoggingConfig:
     """Metric cadence, and the smoothing of the progress line."""
 
     every_steps: int = opt(10, "Aggregate metrics across workers (one collective) every this many steps.")
+    system_series: bool = opt(
+        False,
+        "Also log the throughput, memory and step-time figures and each worker's own (<name>/rank<r>) as "
+        "TensorBoard and MLflow series (the progress line shows them either way).",
+    )
     smoothing: SmoothingConfig = opt(SmoothingConfig(), "Smoothing of the values the progress line shows.")
     verbose: bool = opt(
         False,

@@ -235,7 +235,8 @@ class RunConfig:
     allow_config_change: bool = opt(
         False,
         "Resume a run directory whose config.yaml differs in more than scaling, run, logging, compile, checkpointing and the run's "
-        "length (its checkpoints hold the state of the old config); refused when false.",
+        "length, or whose task's model differs from model.json (its checkpoints hold the state of the old config or model); "
+        "refused when false.",
     )
 
     def __post_init__(self) -> None:

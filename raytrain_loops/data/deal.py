@@ -71,7 +71,7 @@ class Chunks:
 
     def lengths(self) -> np.ndarray:
         """Every chunk's rows, in storage order (not to be written to): ``size``, but the last of
-        each row group. Row groups of at most ``size`` rows (as the README recommends writing
+        each row group. Row groups of at most ``size`` rows (as docs/data.md recommends writing
         them) are one chunk each: their own rows."""
         if self.count == len(self.rows):
             return self.rows

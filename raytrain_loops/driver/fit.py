@@ -25,8 +25,11 @@ from raytrain_loops.driver.run_dir import (
     Finished,
     RunLock,
     check_config,
+    check_model,
     finished,
+    model_fingerprint,
     pin_artefacts,
+    pin_model,
     record_changes,
     unfinish,
 )
@@ -96,12 +99,14 @@ def last_checkpoint(run_dir: str) -> str | None:
 
 @dataclass
 class FitResult:
-    """What a finished run left: its directory, final metrics and last checkpoint (a path)."""
+    """What a finished run left: its directory, final metrics and last checkpoint (a path);
+    ``trained``: False for a rerun of a finished run (its summary's figures, nothing trained now)."""
 
     run_dir: str
     metrics: dict[str, Any]
     checkpoint: str | None
     wall_time: float
+    trained: bool = True
 
 
 def fit(config: Config | dict | str | Path, task: Task | None = None, overrides: list[str] | None = None) -> FitResult:
@@ -127,11 +132,14 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
     print(f"run directory: {run_dir}", flush=True)
     with RunLock(run_dir):
         changes = check_config(run_dir, config)
+        model = model_fingerprint(task)
+        changes.update(check_model(run_dir, config, model))  # an edited task: refused before anything loads
         length_changed = any(k.startswith(("loop.", "accum.")) for k in changes) or not changes
         done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
-            return _finished_result(run_dir, done)
+            return _finished_result(run_dir, done, changes)
         unfinish(run_dir)
+        pin_model(run_dir, model)
         changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
         storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         record_changes(run_dir, changes, config.run.allow_config_change)
@@ -157,19 +165,22 @@ def _precision(run_dir: str) -> str | None:
     return json.loads(text).get("dtype") if text else None
 
 
-def _finished_result(run_dir: str, done: Finished) -> FitResult:
-    """What a rerun of a finished run returns: its summary, unchanged, and nothing trained."""
+def _finished_result(run_dir: str, done: Finished, changes: dict[str, tuple[Any, Any]]) -> FitResult:
+    """What a rerun of a finished run returns: its summary, unchanged, and nothing trained. A
+    rerun at another scale (``--local``, then Ray workers) is told that the scale makes no new run."""
     metrics = done.summary.get("metrics", {})
     evals = {k: v for k, v in sorted(metrics.items()) if k.startswith("eval_") and isinstance(v, int | float)}
     shown = ", ".join(f"{k}={v:.4g}" for k, v in evals.items())
+    scaled = ", ".join(f"{k}={old}" for k, (old, _) in changes.items() if k.startswith("scaling."))
+    why = f" (it trained with {scaled}: a run is the same run at any scale)" if scaled else ""
     print(
         f"the run already finished at step {metrics.get('step')}{': ' + shown if shown else ''} (every metric: "
-        f"{storage.join(run_dir, 'summary.json')}); nothing trained. To train anew, give it another run.name; "
+        f"{storage.join(run_dir, 'summary.json')}); nothing trained{why}. To train anew, give it another run.name; "
         "to train it further, raise loop.max_steps or loop.epochs",
         flush=True,
     )
     wall = float(done.summary.get("wall_time_s", 0.0))
-    return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall)
+    return FitResult(run_dir, metrics, done.summary.get("checkpoint") or done.checkpoint, wall, trained=False)
 
 
 def _train(

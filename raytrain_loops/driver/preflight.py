@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError, to_dict
-from raytrain_loops.driver.run_dir import flatten
+from raytrain_loops.driver.run_dir import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
@@ -108,14 +108,12 @@ def check_blocks(config: Config, task: Task) -> None:
     refused here, naming the key, rather than on every worker. The model is built on the meta
     device (no memory, no initialisation); a model that cannot be is left to the workers' check."""
     wanted = "compile.enabled" if config.compile.enabled else "checkpointing" if config.checkpointing != "none" else ""
-    if not wanted:
+    model = meta_model(task) if wanted else None
+    if model is None:  # nothing to check, or a model built from data or files: the workers check it
         return
-    import torch
-
     try:
-        with torch.device("meta"):
-            blocks = task.blocks(task.build_model())
-    except Exception:  # a model built from data or files: the workers check it
+        blocks = task.blocks(model)
+    except Exception:
         return
     if not blocks:
         raise ConfigError(

@@ -1,8 +1,9 @@
 """The driver's hold on a run directory, before Ray starts: one driver at a time (a lock file in
 the store), a rerun's config compared with the one the run was started with, the task's
 artefacts (a tokenizer, a model's configuration, a digest of the prepared data) pinned at the
-first start and compared at every resume, and a finished run recognised so that running it again
-trains nothing."""
+first start and compared at every resume, and the task's model (its class, its parameters' and buffers' names and shapes)
+recorded at the first start and compared at every rerun, and a finished run recognised so that
+running it again trains nothing."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import yaml
 from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.engine.checkpoint import files as ckpt_files
-from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE, CHANGES, LOCK, SUMMARY, checkpoint_dirs
+from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE, CHANGES, LOCK, MODEL_FILE, SUMMARY, checkpoint_dirs
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from raytrain_loops.tasks import Task
 
 # What a rerun may change: where and how the run executes (compilation and activation
@@ -259,6 +262,68 @@ def read_pinned(run_dir: str, prefix: str) -> dict[str, bytes]:
             raise ckpt_files.CheckpointError(f"{run_dir}: {ARTEFACTS}/{name} is missing or differs from its digest")
         out[name[len(prefix) :]] = data
     return out
+
+
+def meta_model(task: Task) -> nn.Module | None:
+    """The task's model built on the meta device (shapes only: no memory, no initialisation), or
+    None for a model that cannot be built there (one built from data or files): the workers
+    build it for real."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return task.build_model()
+    except Exception:
+        return None
+
+
+def model_fingerprint(task: Task) -> dict[str, Any] | None:
+    """What the run's checkpoints hold weights for: the task's class (``module:qualname``) and
+    its model's parameter and buffer names and shapes (:func:`meta_model`); None when the model
+    cannot be built on the meta device (then no rerun is checked against it)."""
+    model = meta_model(task)
+    if model is None:
+        return None
+    cls = type(task)
+    return {
+        "task": f"{cls.__module__}:{cls.__qualname__}",
+        "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
+        "buffers": {n: list(b.shape) for n, b in model.named_buffers()},
+    }
+
+
+def _first(changes: dict[str, tuple[Any, Any]], shown: int = 6) -> str:
+    """:func:`_shown` of the first ``shown`` changes, and how many more there are."""
+    rest = len(changes) - shown
+    return _shown(dict(list(changes.items())[:shown])) + (f", and {rest} more" if rest > 0 else "")
+
+
+def check_model(run_dir: str, config: Config, fingerprint: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """Compare the task's model now (``fingerprint``, :func:`model_fingerprint`) with the one
+    ``model.json`` recorded at the run's first start, before anything loads or trains: the run
+    name hashes the config, not the task's code, so an edited model reruns under the same name.
+    When the run holds checkpoints (a finished run's too), a difference is refused
+    (:class:`ConfigError` naming the changes and both ways on) unless ``run.allow_config_change``.
+    Returns the accepted changes, ``model.<key>`` -> (old, new)."""
+    text = storage.read_text(storage.join(run_dir, MODEL_FILE))
+    if fingerprint is None or text is None or not checkpoint_dirs(run_dir):
+        return {}
+    changes = {f"model.{k}": v for k, v in config_changes(json.loads(text), fingerprint).items()}
+    if changes and not config.run.allow_config_change:
+        raise ConfigError(
+            "task",
+            f"the run in {run_dir} was trained with another model than task {config.task.name!r} builds now, and "
+            f"its checkpoints hold that model's weights ({MODEL_FILE} records it). Changed: {_first(changes)}. "
+            "To train this model anew, give it a new name (run.name=...); to go on with this run anyway, "
+            "set run.allow_config_change=true",
+        )
+    return changes
+
+
+def pin_model(run_dir: str, fingerprint: dict[str, Any] | None) -> None:
+    """Record the model the run trains (:func:`model_fingerprint`) in ``model.json``."""
+    if fingerprint is not None:
+        storage.write_text(storage.join(run_dir, MODEL_FILE), json.dumps(fingerprint, indent=1) + "\n")
 
 
 @dataclass

@@ -123,7 +123,8 @@ class Callback:
         return {}
 
     def on_interval(self, metrics: dict[str, float], step: int) -> None:
-        """Every ``logging.every_steps`` calls, with the metrics averaged over all workers."""
+        """Every ``logging.every_steps`` calls, with the metrics averaged over all workers, and at
+        the run's end for the calls since the last (an interval cut short)."""
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         """After an evaluation, with its metrics averaged over all workers."""
@@ -301,11 +302,17 @@ class Loop:
             if saved is not None:  # the engine's state was restored from a checkpoint
                 cb.load_state_dict(saved)
         try:
+            finished = False
             while self.engine.step < self.total:
                 position, finished = self._epoch(position)
                 if not finished:
                     break
-            self.metrics.update(self._reduce_metrics())
+            last = self._reduce_metrics()
+            self.metrics.update(last)
+            if self.calls % self.settings.log_every:  # the last interval, cut short by the run's end
+                last["epoch"] = float(self.engine.epoch - finished)  # its steps' epoch, not the next one
+                for cb in self.callbacks:
+                    cb.on_interval(last, self.engine.step)
             self._report(position, evaluate_now=True, checkpoint_now=True, done=True)
         finally:
             for cb in self.callbacks:

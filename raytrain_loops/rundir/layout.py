@@ -15,6 +15,7 @@ ARTEFACTS = "artefacts"  # the task's pinned files: <run>/artefacts/<name>
 ARTEFACTS_FILE = "artefacts.json"  # their SHA-256 and the prepared data's digest
 SUMMARY = "summary.json"  # a finished run's metrics; removed when the run trains again
 PRECISION_FILE = "precision.json"  # the dtype the run trains in (precision.dtype=auto resolved at its first start)
+MODEL_FILE = "model.json"  # the task's class and its model's parameter and buffer shapes, recorded at the first start
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:

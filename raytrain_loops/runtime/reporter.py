@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from raytrain_loops import storage
+from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.distributed import collectives
@@ -261,7 +262,10 @@ class CheckpointReporter:
         else:
             digest = ckpt_files.digest(shared["model"])
         state = {**shared, "rng": mine["rng"]} if world == self.world else shared
-        self.engine.load_state_dict(state)
+        try:
+            self.engine.load_state_dict(state)
+        except RuntimeError as err:
+            raise _model_changed(path, err) from None
         return position, {"checkpoint": path, "model_sha256": digest, "world_size": world}
 
     def _position(self, world: int, records: list[Any]) -> Position:
@@ -276,3 +280,19 @@ class CheckpointReporter:
             return self.data.resume(records)
         except ValueError as err:
             raise ckpt_files.CheckpointError(f"its data position cannot be resumed: {err}") from None
+
+
+def _model_changed(path: str, err: RuntimeError) -> Exception:
+    """torch's error for weights that do not fit the model (``Error(s) in loading state_dict``)
+    as one that says what happened and what to do: the task's model changed since ``path`` was
+    written. Any other error as it is."""
+    lines = [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
+        return err
+    detail = "; ".join(lines[1:3]) + ("; ..." if len(lines) > 3 else "")
+    return ConfigError(
+        "run.name",
+        f"checkpoint {path} holds the weights of another model than the task builds now ({detail}): the task's "
+        "model changed since it was written. To train this model anew, give the run a new name (run.name=...)",
+    )
+

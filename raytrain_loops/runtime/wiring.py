@@ -123,6 +123,7 @@ def callbacks(
         config.logging.smoothing,
         config.logging.every_steps,
         kept_files(loaded, engine.callback_state),
+        config.logging.system_series,
     )
     log.sender = sender
     counts = task.counts if task.count_keys else None
@@ -134,7 +135,7 @@ def callbacks(
     ]
     callbacks.append(Profile(config.logging.profile, payload.run_dir, rank, engine.device))
     if payload.tracking is not None:
-        callbacks.append(MlflowLog(payload.tracking, rank))
+        callbacks.append(MlflowLog(payload.tracking, rank, system_series=config.logging.system_series))
     return callbacks
 
 
