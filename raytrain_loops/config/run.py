@@ -177,7 +177,7 @@ class ScalingConfig:
     )
     resize_interval_s: float = opt(60.0, "Elastic: seconds between checks for room to grow the group.")
     use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
-    cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is for preprocessing.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
     object_store_gb: float = opt(
         0.0,
