@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import jsonschema
@@ -34,8 +35,13 @@ def test_launchers_define_gpu_pools_beside_a_cpu_only_head(path):
     types = cfg["available_node_types"]
     head = types.pop(cfg["head_node_type"])
     assert head["resources"] == {"CPU": 0, "GPU": 0}
-    gpus = sorted(t["resources"]["GPU"] for t in types.values())
+    gpus = sorted(t["resources"]["GPU"] for t in types.values() if t["resources"]["GPU"])
     assert gpus[0] == 1 and gpus[-1] == 8 and 4 in gpus
+    # Preprocessing's own CPUs: a CPU-only pool, the only one advertising data.preprocess.resources' resource.
+    preprocess = [t["resources"] for t in types.values() if "preprocess" in t["resources"]]
+    assert (
+        len(preprocess) == 1 and preprocess[0]["GPU"] == 0 and preprocess[0]["preprocess"] == preprocess[0]["CPU"] > 0
+    )
     assert all(0 == t["min_workers"] < t["max_workers"] for t in types.values())
     text = yaml.safe_dump(types)
     assert ("MarketType: spot" in text or "provisioningModel: SPOT" in text) and any(
@@ -48,11 +54,12 @@ def test_kuberay_cluster_requests_the_pools_gpus():
     cluster = yaml.safe_load((CLUSTERS / "kuberay" / "raycluster.yaml").read_text())
     assert cluster["kind"] == "RayCluster" and cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     pools = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    limits = {
-        name: int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-        for name, g in pools.items()
-    }
-    assert sorted(limits.values()) == [1, 4, 8]
+    limits = {name: g["template"]["spec"]["containers"][0]["resources"]["limits"] for name, g in pools.items()}
+    assert sorted(int(lim["nvidia.com/gpu"]) for lim in limits.values() if "nvidia.com/gpu" in lim) == [1, 4, 8]
+    cpu_only = [name for name, lim in limits.items() if "nvidia.com/gpu" not in lim]
+    assert len(cpu_only) == 1, "one CPU-only group, for preprocessing"
+    params = pools[cpu_only[0]]["rayStartParams"]
+    assert json.loads(yaml.safe_load(params["resources"])) == {"preprocess": int(params["num-cpus"])}
     assert all(g["minReplicas"] == 0 < g["maxReplicas"] for g in pools.values())
     job = yaml.safe_load((CLUSTERS / "kuberay" / "rayjob.yaml").read_text())
     assert job["kind"] == "RayJob" and job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]

@@ -106,3 +106,15 @@ def test_a_task_argument_that_a_recipe_gives_as_a_mapping_takes_a_path_on_the_co
     assert nested.task.params["model"]["n_layer"] == 1 and nested.task.params["model"]["model_type"] == "gpt2"
     with pytest.raises(ConfigError, match="is a section"):
         load_config(resolve("hf_lm"), ["precision=fp32"])
+
+
+def test_preprocessing_resources_name_a_custom_resource_with_an_amount():
+    """``data.preprocess.resources`` places the preprocessing tasks on nodes that advertise them;
+    CPUs have their own key, and an amount of 0 would ask for nothing."""
+    assert load_config(None, ["data.preprocess.resources={preprocess: 1}"]).data.preprocess.resources == {
+        "preprocess": 1
+    }
+    assert load_config(None, []).data.preprocess.resources == {}
+    for bad, key in (("{CPU: 1}", "CPU"), ("{preprocess: 0}", "preprocess")):
+        with pytest.raises(ConfigError, match=rf"data\.preprocess\.resources\.{key}: must name a custom resource"):
+            load_config(None, [f"data.preprocess.resources={bad}"])

@@ -1,6 +1,6 @@
 """``data.dir`` anywhere: a URI prepared in a local staging directory and uploaded to a real S3
 API (moto's server), every wait on the store bounded; each node's reach of the data; the
-preprocessing CPUs; and a failure inside a Ray Data task shown as its own error, file and node."""
+preprocessing CPUs; and a failure inside a preprocessing task shown as its own error, file and node."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from raytrain_loops.data import staging
 from raytrain_loops.data.reach import Unreachable, check_here
 from raytrain_loops.driver.preflight import DataError, data_location, prepare
 from raytrain_loops.errors import own_message, root_cause
-from raytrain_loops.tasks import ParquetSplit
+from raytrain_loops.tasks import ParquetSplit, Task
 from tests import test_store_s3
 from tests.test_store_s3 import _files
 
@@ -190,28 +190,37 @@ def test_the_cause_shown_is_the_raisers_own_message_without_ray_datas_retry_hint
         "To change retry attempts, backoff, or which errors are retried, configure `ray.data.DataContext`"
     )
     assert own_message(inner) == "/data/part-00000.parquet"
-    assert root_cause(ValueError("Traceback (most recent call last):\n  File x\nKeyError: 'a'")) == "ValueError: KeyError: 'a'"
+    assert (
+        root_cause(ValueError("Traceback (most recent call last):\n  File x\nKeyError: 'a'"))
+        == "ValueError: KeyError: 'a'"
+    )
 
 
-def _missing_parquet_read(batch):
-    pq.read_table(batch["path"][0])
-    yield batch
+class _Labels(Task):
+    """A task that preprocesses its rows (as they are): its windows are read in preprocessing tasks."""
+
+    def preprocess(self, batch, train):
+        return {"label": batch["label"]}
 
 
 @pytest.mark.ray
-def test_a_ray_data_task_that_fails_to_read_a_file_reaches_the_cli_as_its_own_error(ray_session, tmp_path, capsys):
-    import ray.data
-
+def test_a_preprocessing_task_that_fails_to_read_a_file_reaches_the_cli_as_its_own_error(ray_session, tmp_path, capsys):
     from raytrain_loops.cli import _failed
+    from raytrain_loops.config.run import DataConfig
+    from raytrain_loops.data.parquet import eval_plan, index_split
+    from raytrain_loops.worker.batches import preprocessed
 
-    missing = str(tmp_path / "gone" / "part-00000.parquet")
-    ds = ray.data.from_items([{"path": missing}]).map_batches(_missing_parquet_read, batch_size=1)
+    missing = tmp_path / "part-00000.parquet"
+    pq.write_table(pa.table({"label": list(range(10))}), missing)
+    index = index_split(str(tmp_path), ["label"])
+    missing.unlink()  # gone after the driver indexed it: the task's read fails
     with pytest.raises(Exception) as caught:
-        ds.take_all()
+        list(preprocessed(_Labels(), DataConfig(), eval_plan(index, 1, 0), index, 0, (0, 0), False))
     assert _failed("train", caught.value) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"raytrain-loops: train failed: FileNotFoundError: {missing} (in Ray task MapBatches(")
-    assert " on node " in last and "DataContext" not in last
+    assert last.startswith(f"raytrain-loops: train failed: OSError: reading row group 0 of {missing}: ")
+    assert "No such file or directory" in last
+    assert "(in Ray task " in last and " on node " in last and "Traceback" not in last
     # As a training worker's failure reaches the driver: pickled (Ray Train returns the exception).
     from ray import cloudpickle
 
@@ -255,7 +264,9 @@ def test_a_data_dir_only_the_head_has_stops_the_run_naming_data_dir_and_the_node
     print(last)  # the error a user sees
     assert out.returncode == 2, out.stdout + out.stderr
     assert last.startswith(f"raytrain-loops: error: data.dir={tmp_path / 'data'}: node ")
-    assert f"(node id {second[:12]}) cannot open split 'train' ({tmp_path / 'data' / 'digits' / 'train.parquet'})" in last
+    assert (
+        f"(node id {second[:12]}) cannot open split 'train' ({tmp_path / 'data' / 'digits' / 'train.parquet'})" in last
+    )
     assert "FileNotFoundError" in last and "put data.dir on storage every node reaches" in last
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoint_*"))
 

@@ -221,7 +221,7 @@ def test_recut_rows_are_read_where_they_are_with_their_own_seeds_on_both_read_pa
     plan = three.sources[0].resumed.part
     rest0 = whole[0][25 * BATCH :, 0]  # old worker 0's rows left (its share divides into batches)
     assert len(done[0]) > len(rest0) and np.array_equal(done[0][: len(rest0), 0], rest0)
-    # Ray Data's tasks read the same windows (read_and_preprocess with the part's windows).
+    # The preprocessing tasks read the same windows (read_and_preprocess with the part's windows).
     from raytrain_loops.runtime.batches import read_and_preprocess
 
     first, skip = plan.locate(0)
@@ -314,7 +314,7 @@ def test_map_style_batches_left_are_dealt_out_whole_to_the_new_group(sampler):
 
 
 @pytest.mark.ray
-def test_ray_datas_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
+def test_the_preprocessing_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
     from raytrain_loops.config.run import PreprocessConfig
     from raytrain_loops.worker.batches import preprocessed
 

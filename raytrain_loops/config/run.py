@@ -64,16 +64,26 @@ class LoopConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PreprocessConfig:
-    """Where a task's ``preprocess`` runs: Ray Data tasks, each reading one window of a worker's
-    rows and preprocessing it, scheduled wherever the cluster has CPUs."""
+    """Where a task's ``preprocess`` runs: Ray tasks, each reading one window of a worker's rows
+    and preprocessing it, spread over the cluster's nodes with CPUs."""
 
     num_cpus: float = opt(1.0, "CPUs each preprocessing task reserves.")
     concurrency: int = opt(0, "Most preprocessing tasks at once per training worker (0: as many as the CPUs allow).")
     batch_rows: int = opt(256, "Rows per call of Task.preprocess.")
+    resources: dict[str, float] = opt(
+        {},
+        "Custom Ray resources each preprocessing task asks too (e.g. {preprocess: 1}: only on nodes that advertise it).",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 0, "num_cpus", "concurrency")
         at_least(self, 1, "batch_rows")
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory") or amount <= 0:
+                raise ConfigError(
+                    f"resources.{name}",
+                    f"must name a custom resource with an amount > 0 (CPUs: data.preprocess.num_cpus); got {amount}",
+                )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,7 +177,7 @@ class ScalingConfig:
     )
     resize_interval_s: float = opt(60.0, "Elastic: seconds between checks for room to grow the group.")
     use_gpu: bool = opt(False, "One GPU per worker, NCCL; otherwise CPU workers with gloo.")
-    cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is Ray Data's.")
+    cpus_per_worker: float = opt(1.0, "CPUs reserved per worker; what is left is for preprocessing.")
     threads_per_worker: int = opt(0, "torch threads per worker; 0: the worker's CPUs (at least 1).")
     object_store_gb: float = opt(
         0.0,

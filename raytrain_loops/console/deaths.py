@@ -29,7 +29,7 @@ _NODE_GONE = re.compile(r"the actor's node was (.+)$", re.MULTILINE)
 _HANGING = re.compile(r"health check has been hanging for ([\d.]+) seconds")
 RAYLET_DEATH = "A worker died or was killed while executing a task"
 """The start of the raylet's message for a worker that died running a task: a training worker's
-death is the controller's line; a Ray Data task's is retried by Ray Data (and named in the run's
+death is the controller's line; a preprocessing task's is retried by Ray (and named in the run's
 error if it fails for good), so this message goes to ``ray.log`` only."""
 
 SUDDEN = "its process ended at once: a signal such as SIGKILL or SIGSEGV"

@@ -1,8 +1,8 @@
 """The cluster's checks on the driver, once Ray is up and before the trainer starts: every alive
 node that can host work opens what it will read (:mod:`raytrain_loops.data.reach`, in a Ray task
 pinned to the node, all of them bounded by ``PROBE_TIMEOUT_S``), and the cluster has CPUs for a
-preprocessing task beside the training workers (Ray Data would otherwise wait for them forever,
-its only warning in ``ray.log``). Each worker checks its own node again at every attempt
+preprocessing task beside the training workers (its tasks would otherwise wait for them until
+the worker's bound on the wait, ``worker/batches.py`` ``WAIT_S``, stopped the epoch). Each worker checks its own node again at every attempt
 (``worker/train.py``): a cluster that scales from zero adds its nodes then.
 """
 
@@ -88,7 +88,7 @@ def check_preprocess_cpus(config: Config, task: Task, splits: dict[str, Any]) ->
             "data.preprocess.num_cpus",
             f"each preprocessing task asks {need:g} CPUs, but the cluster's nodes have {', '.join(f'{c:g}' for c in cpus)} "
             f"CPUs, {left:g} of them left beside the {s.num_workers} training workers of scaling.cpus_per_worker="
-            f"{s.cpus_per_worker:g}: Ray Data would wait for them forever. Lower data.preprocess.num_cpus or "
+            f"{s.cpus_per_worker:g}: the tasks would wait for them. Lower data.preprocess.num_cpus or "
             "scaling.cpus_per_worker, or add CPUs",
         )
 

@@ -1,5 +1,5 @@
 """Ray start-up; runs on the driver: join the cluster in ``RAY_ADDRESS`` (as under ``ray job
-submit``) or start a local Ray instance sized for the run, with Ray Data's CPU beside the workers.
+submit``) or start a local Ray instance sized for the run, with a CPU for preprocessing beside the workers.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ from raytrain_loops.config import Config
 
 def ensure_ray(config: Config, num_cpus: float = 0) -> None:
     """Join the cluster in ``RAY_ADDRESS`` (as under ``ray job submit``), or start a local one
-    with CPU left over for Ray Data beside the training workers (``num_cpus``: at least this
+    with CPU left over for preprocessing tasks beside the training workers (``num_cpus``: at least this
     many logical CPUs)."""
     import ray
-    import ray.data
 
-    # Ray Data's per-dataset progress bars would interleave with the training progress lines.
-    ray.data.DataContext.get_current().enable_progress_bars = False
     # One line per print on the driver (Ray Train otherwise also logs every print).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     if ray.is_initialized():
@@ -28,7 +25,7 @@ def ensure_ray(config: Config, num_cpus: float = 0) -> None:
         ray.init(log_to_driver=True)
         return
     s = config.scaling
-    needed = max(num_cpus, s.num_workers * s.cpus_per_worker + 1)  # + 1 for Ray Data's read tasks
+    needed = max(num_cpus, s.num_workers * s.cpus_per_worker + 1)  # + 1 for the preprocessing tasks
     store = {"object_store_memory": int(s.object_store_gb * 1e9)} if s.object_store_gb else {}
     start_local_ray(max(os.cpu_count() or 1, math.ceil(needed)), **store)
 

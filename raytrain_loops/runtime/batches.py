@@ -1,13 +1,14 @@
 """One worker's batches of a run's splits, without Ray: Parquet splits in the epoch's order of
 :mod:`raytrain_loops.data.parquet`, map-style splits by :class:`~raytrain_loops.data.MapBatches`.
 The loop's :class:`~raytrain_loops.engine.loop.BatchSource` for a Ray worker
-(:mod:`raytrain_loops.worker.batches`, which hands a task's ``preprocess`` to Ray Data) and for a
+(:mod:`raytrain_loops.worker.batches`, which hands a task's ``preprocess`` to Ray tasks) and for a
 local run (which applies it in its own process, :func:`preprocessed_here`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -207,6 +208,37 @@ def read_and_preprocess(
         reader.close()
 
 
+Unit = tuple[int, int, int | None]
+"""A preprocessing task's share of a plan: ``(window, rows skipped, parts)``, the parts counted in
+calls of ``preprocess`` (None: all the window's)."""
+
+
+def preprocessing_units(plan: Plan, start_row: int, rows: int) -> Iterator[Unit]:
+    """The plan's rows from ``start_row`` on as preprocessing tasks' units, in the plan's order: the
+    first part alone (the first batch waits for no more than its own rows), the rest of its
+    window, then one window each. The parts cut are those of one task per window: each call of
+    ``preprocess`` gets the same rows."""
+    first, skip = plan.locate(start_row)
+    if first >= plan.windows:
+        return
+    yield first, skip, 1
+    yield first, skip + rows, None
+    for w in range(first + 1, plan.windows):
+        yield w, 0, None
+
+
+def preprocess_unit(
+    task: Task, index: Any, plan: Plan, unit: Unit, seeds: tuple[int, int], rows: int, train: bool
+) -> list[dict[str, np.ndarray]]:
+    """The parts of ``unit`` (:func:`preprocessing_units`), read and preprocessed ``rows`` at a time."""
+    window, skip, parts = unit
+    out = read_and_preprocess(task, index, plan, [window], window, skip, seeds, rows, train)
+    try:
+        return list(islice(out, parts))
+    finally:
+        out.close()  # the window's reader
+
+
 def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
     """``task.preprocess`` of ``part``, checked to give one row per row, without the row seeds."""
     out = task.preprocess(part, train=train)
@@ -225,7 +257,7 @@ def preprocessed_here(
 ) -> Iterable[dict[str, Any]]:
     """The plan's windows from ``start_row`` on, read and preprocessed in this process, one
     window ahead on a background thread: the same rows, in the same order and with the same
-    row seeds, as Ray Data's tasks give a Ray worker."""
+    row seeds, as the preprocessing tasks give a Ray worker."""
     first, skip = plan.locate(start_row)
     parts = read_and_preprocess(
         task, index, plan, range(first, plan.windows), first, skip, seeds, data.preprocess.batch_rows, train

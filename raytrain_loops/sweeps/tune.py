@@ -203,7 +203,7 @@ def _per_trial_cpus(sweep: SweepConfig) -> float:
 
 def _concurrency(sweep: SweepConfig) -> int:
     """``max_concurrent_trials``, or as many trials as the cluster's GPUs (or CPUs, one left to
-    Ray Data) hold at once."""
+    preprocessing) hold at once."""
     import ray
 
     if sweep.max_concurrent_trials:

@@ -10,7 +10,7 @@ trained on the training text once on the driver (cached by its inputs). ``text``
 [files or directories], eval: [...]}`` of JSONL or Parquet (the text under ``text_key``), or, empty, the Python
 standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the documents, an
 ``EOS`` after each, into rows of text that tokenize to ``max_len + 1`` tokens (a Parquet file per
-split, cached); :meth:`preprocess` tokenizes each row on Ray Data's CPUs; the criterion sums the
+split, cached); :meth:`preprocess` tokenizes each row in preprocessing tasks; the criterion sums the
 cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
 ``lm`` recipe's). No network access: every load passes ``local_files_only``, and no hub setting of
@@ -18,7 +18,7 @@ the process is changed.
 
 Across nodes: :meth:`prepare` reads the tokenizer's files and the model directory's config and
 weights (as safetensors) on the driver, and the task carries their contents, never a driver path. The
-copy Ray Data ships to every preprocessing task (:meth:`preprocessing_copy`) holds the tokenizer
+copy shipped to every preprocessing task (:meth:`preprocessing_copy`) holds the tokenizer
 only; the weights reach the training workers with the train function, which Ray Train puts in
 the object store once. :meth:`artefacts` (the tokenizer, the model's config) and
 :meth:`data_digest` (the packed rows) are pinned in the run directory at its first start.

@@ -2,7 +2,7 @@
 Python standard library's source), a byte-level BPE trained on them with Hugging Face
 ``tokenizers`` (cached by its inputs), and the one-off packing of the documents into rows of
 text that each tokenize to one training sequence (written to Parquet, cached by its inputs).
-The rows are tokenized again in ``Task.preprocess``, on Ray Data's CPUs. A tokenizer and a
+The rows are tokenized again in ``Task.preprocess``, in preprocessing tasks. A tokenizer and a
 model's configuration and weights travel as their files' contents (``{name: bytes}``), never as a
 directory on the driver: :func:`tokenizer_from` and :func:`model_from` load them anywhere.
 """
@@ -329,7 +329,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 def tokenizer_from(files: dict[str, bytes]) -> Any:
-    """The tokenizer whose files are ``files``, loaded once per process (a Ray Data task's process
+    """The tokenizer whose files are ``files``, loaded once per process (a preprocessing task's process
     preprocesses many windows, each with its own unpickled copy of the task)."""
     key = files_digest(files)
     if key not in _TOKENIZERS:

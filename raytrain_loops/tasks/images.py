@@ -1,6 +1,6 @@
 """Image classification from encoded images streamed off disk: the ``patterns`` set
 (:mod:`raytrain_loops.data.patterns`, about 4.5 GB of PNG at its default size), decoded and
-augmented in :meth:`ImagesTask.preprocess` by Ray Data tasks on the cluster's CPUs, a small
+augmented in :meth:`ImagesTask.preprocess` by Ray tasks on the cluster's CPUs, a small
 residual CNN on the workers (cvnets-style: BatchNorm, AdamW, cosine lr with warm-up).
 
 Training images get a random crop of ``size - 8`` pixels and a horizontal flip, drawn from each

@@ -1,6 +1,6 @@
 """What Ray Train runs on every worker of ``raytrain-loops evaluate``: the checkpoint evaluated as
 in any process (:func:`raytrain_loops.runtime.evaluation.evaluate_checkpoint`) with the Ray parts
-of a training worker (the model under DDP or FSDP2, Ray Data's preprocessing); rank 0 hands the
+of a training worker (the model under DDP or FSDP2, the preprocessing tasks); rank 0 hands the
 metrics to the driver's :class:`MetricsBox` (Ray Train keeps only the metrics of reports that
 carry a checkpoint, and an evaluation writes none)."""
 
