@@ -44,7 +44,8 @@ def test_both_recipes_are_built_in_with_their_command_in_the_header():
 
 def test_cvnets_batchnorm_momentum_follows_its_schedule_in_the_running_statistics():
     total = 6
-    cfg = _recipe("cvnets_cls", "precision.dtype=fp32", f"loop.max_steps={total}")
+    # The momentum's hold (cvnets: through the warm-up) shortened to 2 of the 6 updates.
+    cfg = _recipe("cvnets_cls", "precision.dtype=fp32", f"loop.max_steps={total}", "schedules.bn_momentum.warmup_steps=2")
     task = build_task(cfg.task.name, cfg.task.params)
     torch.manual_seed(0)
     model = task.build_model()
@@ -67,8 +68,10 @@ def test_cvnets_batchnorm_momentum_follows_its_schedule_in_the_running_statistic
         torch.testing.assert_close(ema_bn.running_mean, e * ema_before + (1 - e) * bn.running_mean)
         assert ema_bn.num_batches_tracked == bn.num_batches_tracked == step + 1
         momenta.append(m)
-    assert momenta[0] == pytest.approx(0.1) and momenta[-1] == pytest.approx(0.01)
-    assert momenta == sorted(momenta, reverse=True)
+    # Held at 0.1 through the warm-up, then annealed toward 0.01 (one step short of it at the last
+    # update, as cvnets' AdjustBatchNormMomentum), falling at every update.
+    assert momenta[:3] == pytest.approx([0.1, 0.1, 0.1]) and 0.01 < momenta[-1] < 0.03
+    assert all(a > b for a, b in zip(momenta[2:], momenta[3:], strict=False))
 
 
 def test_cvnets_without_a_bn_momentum_schedule_names_the_missing_key():
