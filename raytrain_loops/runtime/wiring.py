@@ -171,6 +171,38 @@ class Wired:
     position: Position
 
 
+
+def task_engine(
+    task: Task,
+    model: torch.nn.Module,
+    config: Config,
+    batches_per_epoch: int,
+    *,
+    scale: float = 1.0,
+    criterion: Any = None,
+    groups: list[dict[str, Any]] | None = None,
+    ema_module: torch.nn.Module | None = None,
+) -> Engine:
+    """The engine a worker builds for ``task`` over ``model``: the task's criterion (or
+    ``criterion``), its parameter groups under ``optim.param_groups=task`` (or ``groups``, taken
+    after sharding), counts, ``after_step`` and batch splitting; the run's updates and epochs for
+    ``batches_per_epoch`` batches an epoch (``scale``: an elastic group's micro-batches per batch)."""
+    if groups is None and config.optim.param_groups == "task":
+        groups = task.param_groups(model)
+    return Engine(
+        model,
+        criterion or task.criterion,
+        config.engine,
+        total_steps=total_steps(config.loop, config.accum, batches_per_epoch, scale),
+        total_epochs=epochs_in_run(config.loop, config.accum, batches_per_epoch, scale),
+        task_param_groups=groups,
+        counts=task.counts if task.count_keys else None,
+        count_keys=task.count_keys,
+        after_step=task.after_step,
+        ema_module=ema_module,
+        split_batch=task.split_batch,
+    )
+
 def wire(
     payload: WorkerPayload,
     rank: int,
@@ -205,18 +237,15 @@ def wire(
     scale = config.scaling.workers / world  # > 1 when an elastic group runs short
     total = total_steps(config.loop, config.accum, source.batches_per_epoch, scale)
     faults = Faults(config.fault.plan, rank, run_dir)
-    engine = Engine(
+    engine = task_engine(
+        task,
         model,
-        faults.wrap_loss(task.criterion),
-        config.engine,
-        total_steps=total,
-        total_epochs=epochs_in_run(config.loop, config.accum, source.batches_per_epoch, scale),
-        task_param_groups=groups,
-        counts=task.counts if task.count_keys else None,
-        count_keys=task.count_keys,
-        after_step=task.after_step,
+        config,
+        source.batches_per_epoch,
+        scale=scale,
+        criterion=faults.wrap_loss(task.criterion),
+        groups=groups,
         ema_module=ema_module,
-        split_batch=task.split_batch,
     )
     made = reporter(engine)
     made.data = source  # checkpoints record, and resume from, the source's data positions

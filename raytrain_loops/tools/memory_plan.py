@@ -30,10 +30,10 @@ from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.driver import preflight
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import sharding
-from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.engine.update import precision
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
+from raytrain_loops.runtime.wiring import task_engine
 from raytrain_loops.streams import close
 from raytrain_loops.tasks import Task
 from raytrain_loops.tools.tensor_memory import TensorMemory
@@ -161,18 +161,7 @@ def build_engine(task: Task, config: Config, batches_per_epoch: int, device: tor
     model = task.build_model()
     sharding.prepare_model(model, task.blocks(model), checkpointing=config.checkpointing, compile_cfg=config.compile)
     model.to(device or torch.device("cpu"))
-    groups = task.param_groups(model) if config.optim.param_groups == "task" else None
-    return Engine(
-        model,
-        task.criterion,
-        config.engine,
-        total_steps=total_steps(config.loop, config.accum, batches_per_epoch),
-        total_epochs=epochs_in_run(config.loop, config.accum, batches_per_epoch),
-        task_param_groups=groups,
-        counts=task.counts if task.count_keys else None,
-        count_keys=task.count_keys,
-        after_step=task.after_step,
-    )
+    return task_engine(task, model, config, batches_per_epoch)
 
 
 def describe(batch: Any) -> str:

@@ -12,8 +12,8 @@ import torch
 
 from raytrain_loops.config.run import Config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
+from raytrain_loops.runtime import wiring
 from raytrain_loops.tasks.base import Task
 from tests import fakes
 
@@ -60,20 +60,9 @@ class GroupValues(Callback):
 
 
 def task_engine(task: Task, model: torch.nn.Module, cfg: Config, per_epoch: int) -> Engine:
-    """The engine a training process builds for ``task`` (``runtime/wiring.py``): the task's
-    criterion, its parameter groups under ``optim.param_groups=task``, its counts and
-    ``after_step``; the run's updates and epochs for ``per_epoch`` batches an epoch."""
-    return Engine(
-        model,
-        task.criterion,
-        cfg.engine,
-        total_steps=total_steps(cfg.loop, cfg.accum, per_epoch),
-        total_epochs=epochs_in_run(cfg.loop, cfg.accum, per_epoch),
-        task_param_groups=task.param_groups(model) if cfg.optim.param_groups == "task" else None,
-        counts=task.counts if task.count_keys else None,
-        count_keys=task.count_keys,
-        after_step=task.after_step,
-    )
+    """The engine a training process builds for ``task`` (``runtime/wiring.py``'s
+    :func:`~raytrain_loops.runtime.wiring.task_engine`) for ``per_epoch`` batches an epoch."""
+    return wiring.task_engine(task, model, cfg, per_epoch)
 
 
 def run_loop(engine: Engine, cfg: Config, epochs: Sequence[Sequence[Any]], callbacks: Sequence[Callback] = ()) -> None:
