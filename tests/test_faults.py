@@ -172,6 +172,12 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     _a_damaged_newest_checkpoint_falls_back_and_a_loss_spike_stops_without_a_retry(
         Path(clean.run_dir), tmp_path / "rec-clean", clean_overrides
     )
+    # Three runs, five worker groups, and no Ray Data actor: no run passes Ray Train a Dataset
+    # (driver/trainer.py's Trainer leaves out the DatasetManager that Ray Train starts otherwise).
+    from ray.util.state import list_actors
+
+    assert list_actors(filters=[("class_name", "=", "RayTrainWorker")], limit=1000)
+    assert not list_actors(filters=[("class_name", "=", "DatasetManager")], limit=1000)
 
 
 def _a_damaged_newest_checkpoint_falls_back_and_a_loss_spike_stops_without_a_retry(

@@ -114,10 +114,10 @@ def _on_ray(payload: WorkerPayload) -> dict[str, Any]:
     directory (the run's directory is only read), the metrics through a :class:`MetricsBox`."""
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raytrain_loops.driver.ray_start import ensure_ray
-    from raytrain_loops.driver.trainer import place_parquet, scaling_config
+    from raytrain_loops.driver.trainer import Trainer, place_parquet, scaling_config
     from raytrain_loops.worker.evaluate import MetricsBox, evaluate_per_worker
 
     config = payload.config
@@ -126,7 +126,7 @@ def _on_ray(payload: WorkerPayload) -> dict[str, Any]:
     place_parquet(payload.splits, config)
     box = MetricsBox.remote()
     with tempfile.TemporaryDirectory(prefix="raytrain-evaluate-") as scratch:
-        trainer = TorchTrainer(
+        trainer = Trainer(
             functools.partial(evaluate_per_worker, payload, box),
             torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
             scaling_config=scaling_config(config),
