@@ -36,6 +36,10 @@ SCRIPT = [str(Path(sys.executable).parent / "raytrain-loops")]
 
 @pytest.mark.ray
 def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, tmp_path):
+    """The run, then ``evaluate`` of one of its checkpoints, both joined to the session's Ray
+    (``RAY_ADDRESS``, as on a cluster), not each on a local Ray of its own: that start costs
+    seconds. A run that starts its own local Ray is the failing run's and the Ctrl-C test's."""
+    joined = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     out = _cli(
         "train",
         "default",
@@ -50,6 +54,7 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
         # Every epoch's checkpoint, whatever the load: coalescing could skip checkpoint 42 (the one
         # evaluated below) while 21 is still in flight; it is checked in the Ctrl-C test.
         "run.coalesce_reports=false",
+        env=joined,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = Path(out.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
@@ -61,6 +66,7 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
         assert part in line, line  # the criterion's terms, the lr, waiting for data against the step
     assert "epoch 2 ended at step 63, averages over the epoch (train_*): loss " in console
     _assert_a_clean_console(console, run_dir)
+    assert "Connected to Ray cluster." in (run_dir / "ray.log").read_text()  # ray.init's lines, joining
 
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 64))  # 3 epochs x 21 steps
@@ -101,14 +107,7 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
     # ``evaluate`` of checkpoint 42 on 2 Ray workers, as a group resumed there would: the run's
     # evaluation at step 42, figure for figure (every worker evaluated with rank 0's BatchNorm
     # statistics, which the checkpoint holds).
-    # It joins the session's Ray (RAY_ADDRESS, as on a cluster): a local Ray's start fewer.
-    out = _cli(
-        "evaluate",
-        str(run_dir / "checkpoint_00000042"),
-        "--out",
-        str(tmp_path / "eval42.json"),
-        env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address},
-    )
+    out = _cli("evaluate", str(run_dir / "checkpoint_00000042"), "--out", str(tmp_path / "eval42.json"), env=joined)
     assert out.returncode == 0, out.stderr[-3000:]
     again = json.loads((tmp_path / "eval42.json").read_text())
     names = {k for k in evals[1] if k.startswith("eval_")}
@@ -118,7 +117,8 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
 
 def _assert_a_clean_console(console: str, run_dir: Path) -> None:
     """The console holds this project's lines; Ray's output (every report, the controller's and
-    Ray Data's lines, deprecation warnings) went to ray.log."""
+    Ray Data's lines, deprecation warnings) went to ray.log: alike on a local Ray and joined to a
+    cluster."""
     for ray_only in (
         "TrainingReport(",
         "RayDeprecationWarning",
@@ -133,7 +133,7 @@ def _assert_a_clean_console(console: str, run_dir: Path) -> None:
     ours = ("run directory: ", "step ", "epoch ", "eval at step ", "checkpoint at step ", "finished in ")
     assert [line for line in lines if not line.startswith(ours)] == []
     ray_log = (run_dir / "ray.log").read_text()
-    assert "TrainingReport(" in ray_log and "(TrainController pid=" in ray_log and "Started a local Ray" in ray_log
+    assert "TrainingReport(" in ray_log and "(TrainController pid=" in ray_log
 
 
 @pytest.mark.ray
@@ -175,6 +175,7 @@ def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_p
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name not in ("data", "code")]
     ray_log = (run_dir / "ray.log").read_text()
     assert "fault.plan[1]" in ray_log and "mytask:MyDigits" in (run_dir / "config.yaml").read_text()
+    assert "Started a local Ray" in ray_log and "Started a local Ray" not in console  # ray.init's own lines
     # Ray's whole text of the death after the line: the controller's failed health check with the
     # actor's death cause (the other worker's broken collective, when Ray reports it, may come between).
     after = ray_log[ray_log.index(death) :]
@@ -254,6 +255,7 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
     assert named.parent == run_dir and (named / "manifest.rank1.json").is_file()
     assert f"resume it with the same command: raytrain-loops {shlex.join(args)}" in err
     assert "Traceback" not in err
+    assert "Started a local Ray" in (run_dir / "ray.log").read_text() and "Started a local Ray" not in out + err
     (note,) = [line for line in out.splitlines() if "come faster than Ray registers them" in line]
     assert re.fullmatch(
         r"checkpoints and reports every (step|\d+ steps) come faster than Ray registers them \(one per 0\.5 s\): a "

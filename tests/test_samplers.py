@@ -267,8 +267,8 @@ def _quadrant_run(rank: int, world: int, run_dir: str):
 
 
 def test_a_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_schedule(tmp_path):
-    """The workers' part of a run with a grouping batch sampler, as on Ray (a Ray run of a
-    task with one, seamseg's, is tests/test_seamseg.py's)."""
+    """The workers' part of a run with a grouping batch sampler, as on Ray (a task with one,
+    seamseg's, end to end in local mode and its length on two workers: tests/test_seamseg.py)."""
     import json
 
     outcomes = run_gloo(2, _quadrant_run, str(tmp_path), timeout=180)

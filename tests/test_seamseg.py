@@ -1,7 +1,7 @@
 """The seamseg recipe and its parts: shapes of two aspect ratios (square sets unchanged), rows
 grouped by shape and their collation, the weighted named loss terms, the split-level mean IoU
-against a hand computation on two gloo workers, and the recipe end to end on two Ray workers
-with a reduced budget, every named loss falling from the first epoch to the last."""
+against a hand computation on two gloo workers, and the recipe end to end in local mode with a
+reduced budget, every named loss falling from the first epoch to the last."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from raytrain_loops import MapSplit, fit
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.data import MapBatches
 from raytrain_loops.data.shapes import ShapesSpec, decode_image, decode_masks, write_shapes
+from raytrain_loops.driver.preflight import planned_steps
 from raytrain_loops.engine import Engine, StepContext
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.engine.loop import evaluate
@@ -312,10 +313,14 @@ def test_seamseg_recipe_is_built_in_with_its_command():
     assert group["decay"] and len(group["params"]) == len(list(model.parameters()))
 
 
-@pytest.mark.ray
-def test_seamseg_recipe_end_to_end_every_named_loss_falls(ray_session, tmp_path):
+def test_seamseg_recipe_end_to_end_every_named_loss_falls(tmp_path):
+    """Local mode: the task's behaviour in the loop, one worker in this process. Its parts across
+    two workers run without Ray: the split's mean IoU (above, gloo), epoch averages
+    (tests/test_meters.py, tests/test_loop.py), the terms' global counts (tests/test_task_api.py),
+    a grouped run's length (tests/test_samplers.py); and below, this recipe's length on its two
+    workers and the task and splits as each Ray worker receives them (pickled)."""
     overrides = [
-        "task.params.train_images=384",
+        "task.params.train_images=192",  # one worker's share of a two-worker run's 384 (as many steps)
         "task.params.validation_images=64",
         "task.params.width=8",
         "loop.epochs=3",
@@ -325,18 +330,19 @@ def test_seamseg_recipe_end_to_end_every_named_loss_falls(ray_session, tmp_path)
         f"run.storage_path={tmp_path}",
         "run.progress=false",
     ]
-    cfg = load_config(resolve("seamseg"), overrides)
+    cfg = load_config(resolve("seamseg"), [*overrides, "scaling.num_workers=0"])
     result = fit(cfg)  # the shipped task: its training batches come from the grouping sampler
     run_dir = Path(result.run_dir)
-    # The run's length on Ray is the sampler's: 3 epochs of its batches per worker, not of a
-    # DistributedSampler's share of the rows.
-    splits = build_task(cfg.task.name, cfg.task.params).splits(tmp_path / "data")
-    per_worker = MapBatches(splits, cfg.data, cfg.loop.seed, 0, 2).batches_per_epoch
-    assert per_worker != batches_per_epoch(len(splits["train"].dataset), 2, cfg.data.batch_size, padded=True)
+    # The run's length is the sampler's: 3 epochs of its batches, not of a DistributedSampler's
+    # share of the rows.
+    task = build_task(cfg.task.name, cfg.task.params)
+    splits = task.splits(tmp_path / "data")
+    per_worker = MapBatches(splits, cfg.data, cfg.loop.seed, 0, 1).batches_per_epoch
+    assert per_worker != batches_per_epoch(len(splits["train"].dataset), 1, cfg.data.batch_size, padded=True)
     assert result.metrics["step"] == 3 * per_worker
     epochs = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [0, 1, 2]
-    for name in TERMS:  # each epoch's averages over both workers
+    for name in TERMS:  # each epoch's averages
         first, last = epochs[0][f"train_{name}_unscaled"], epochs[-1][f"train_{name}_unscaled"]
         assert last < first, (name, [e[f"train_{name}_unscaled"] for e in epochs])
     assert all(0 < e["train_data_time"] < e["train_batch_time"] for e in epochs)
@@ -345,3 +351,19 @@ def test_seamseg_recipe_end_to_end_every_named_loss_falls(ray_session, tmp_path)
         assert key in summary["metrics"], key
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["eval_miou"] > evals[0]["eval_miou"], evals
+
+    # On the recipe's two Ray workers: what each receives is the task and its splits pickled (their
+    # rows read where they are used), batching as here; the run's length is the sampler's, the
+    # same on the driver and both workers.
+    two = load_config(resolve("seamseg"), overrides)
+    shipped_task, shipped = pickle.loads(pickle.dumps((task, splits)))
+    assert type(shipped_task) is SeamsegTask and (shipped_task.weights, shipped_task.spec) == (task.weights, task.spec)
+    sources = [MapBatches(shipped, two.data, two.loop.seed, rank, 2) for rank in (0, 1)]
+    per_worker = sources[0].batches_per_epoch
+    assert [s.batches_per_epoch for s in sources] == [per_worker] * 2
+    assert per_worker != batches_per_epoch(len(splits["train"].dataset), 2, two.data.batch_size, padded=True)
+    assert planned_steps(two, splits, {"train": len(splits["train"].dataset)}) == 3 * per_worker
+    here = next(iter(MapBatches(splits, two.data, two.loop.seed, 1, 2).batches("train", epoch=1)))
+    there = next(iter(sources[1].batches("train", epoch=1)))
+    for key in ("images", "heat", "sem"):
+        torch.testing.assert_close(there[key], here[key], rtol=0, atol=0)
