@@ -11,7 +11,8 @@ trained on the training text once on the driver (cached by its inputs). ``text``
 standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the documents, an
 ``EOS`` after each, into rows of text that tokenize to ``max_len + 1`` tokens (a Parquet file per
 split, cached); :meth:`preprocess` tokenizes each row in preprocessing tasks; the criterion sums the
-cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
+cross-entropy over target tokens (``loss.reduction=sum``), padding masked. A batch counts its
+target tokens and bytes per row, so ``accum.micro_batch=auto`` cuts it along its rows. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
 ``lm`` recipe's). No network access: every load passes ``local_files_only``, and no hub setting of
 the process is changed.
