@@ -268,7 +268,7 @@ def test_a_task_whose_batches_cannot_be_cut_is_refused_before_the_run_directory_
 
     monkeypatch.setattr(driver, "_train", workers)  # where the run would start its workers (Ray, or local)
     config = {**CONFIG, "accum": {"micro_batch": "auto"}, "run": {"name": "counted", "storage_path": str(tmp_path)}}
-    says = r"accum.micro_batch: auto cuts .* task 'spirals'.*: batch\[2\] is a int.* Task.split_batch, or runs with"
+    says = r"accum.micro_batch: auto cuts .* of task 'spirals' cannot be cut: batch\[2\] is a int.* Task.split_batch"
     with pytest.raises(ConfigError, match=says):
         fit(config, task=CountedSpirals())
     assert not list(tmp_path.iterdir())  # refused before the run directory was made

@@ -288,8 +288,8 @@ def check_splittable(config: Config, task: Task, splits: dict[str, Any], rows: d
     except SplitError as err:
         raise ConfigError(
             "accum.micro_batch",
-            f"auto cuts each batch along its rows, and task {config.task.name!r}'s first training batch cannot be "
-            f"cut: {err}",
+            f"auto cuts each batch along its rows, and the first training batch of task {config.task.name!r} "
+            f"cannot be cut: {err}",
         ) from None
 
 
