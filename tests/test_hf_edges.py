@@ -1,7 +1,8 @@
 """hf_lm at its edges, in process: weights in pytorch_model.bin read as weights only (code in them
 refused), training bits per byte over the update's bytes, rows cut between characters, JSONL and
 Parquet text that is malformed or empty, a vocabulary too large refused before anything is built,
-no process-wide hub setting changed, and the prefetch thread ended with its epoch."""
+no process-wide hub setting changed, the prefetch thread ended with its epoch, and batches cut into
+micro-batches (``accum.micro_batch=auto``) that make the update of the whole."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def test_train_bpb_is_the_updates_nll_over_all_its_bytes_not_a_mean_weighted_by_
     # Two micro-batches of one update, with unlike bytes per token: plain words, and two-byte letters.
     texts = [["the list 1: alpha beta gamma delta epsilon zeta eta theta"] * 2, ["é ü é ü é ü é ü é ü é ü é ü"] * 3]
     batches = [task.collate(task.preprocess({"text": np.array(t, dtype=object)}, train=True)) for t in texts]
-    assert len({round(b[3] / b[2], 2) for b in batches}) == 2, [(b[2], b[3]) for b in batches]
+    assert len({round(sum(b[3]) / sum(b[2]), 2) for b in batches}) == 2, [(b[2], b[3]) for b in batches]
     model = task.build_model()
     before = copy.deepcopy(model)
     nll, nbytes = 0.0, 0
@@ -139,7 +140,7 @@ def test_train_bpb_is_the_updates_nll_over_all_its_bytes_not_a_mean_weighted_by_
         for inputs, targets, _, covered in batches:
             logits = before(input_ids=inputs).logits
             nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
-            nbytes += covered
+            nbytes += sum(covered)
     engine = Engine(model, task.criterion, fakes.config("loss.reduction=sum").engine, total_steps=1)
     engine.train_step(batches)
     assert reduce_metrics(engine)["bpb"] == pytest.approx(nll / (nbytes * math.log(2)), rel=1e-5)
@@ -284,3 +285,27 @@ def test_the_prefetch_thread_ends_with_its_epoch_when_a_step_fails_while_the_tra
         assert failed.value.__traceback__ is not None and not _prefetch_threads()
     finally:
         gc.enable()
+
+
+def test_auto_micro_batching_after_an_oom_gives_the_weights_of_a_run_at_the_smaller_micro_batch(tmp_path, corpus):  # noqa: F811
+    """accum.micro_batch=auto on hf_lm (in local mode): an out-of-memory error in the first update
+    halves its 8-row batches, each half counting its own target tokens and bytes, and the run
+    ends with the weights of a run of 4-row micro-batches, two per update, from the start (the
+    same rows in each update; GPT-2's dropout draws the same masks)."""
+    from raytrain_loops.engine.checkpoint import files as ckpt
+
+    def run(name: str, **sections) -> tuple:
+        config = _config(tmp_path, name, text=corpus, model=TINY_GPT2)
+        config.update(loop={"max_steps": 3, "seed": 0}, checkpoint={"every_steps": 3}, eval={"every_steps": 3})
+        config["data"] = {**config["data"], "batch_size": sections.pop("batch_size", 8)}
+        result = fit({**config, **sections})
+        return result, ckpt.read_file(result.checkpoint, ckpt.STATE)
+
+    oom = [{"step": 1, "kind": "oom", "micro_batch": 4}]
+    auto, halved = run("auto", accum={"micro_batch": "auto"}, fault={"plan": oom})
+    smaller, reference = run("smaller", batch_size=4, accum={"steps": 2})
+    assert halved["counters"]["micro_batch_splits"] == 2 and auto.metrics["step"] == 3 and auto.metrics["oom"] == 1
+    assert auto.metrics["bpb"] == smaller.metrics["bpb"]  # the halves' bytes: the run's bits per byte
+    assert halved["model"].keys() == reference["model"].keys()
+    for name, weight in halved["model"].items():
+        assert torch.equal(weight, reference["model"][name]), name

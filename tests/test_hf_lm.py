@@ -98,9 +98,9 @@ def test_packed_rows_tokenize_to_one_sequence_each_and_count_the_bytes_their_tar
     expected = [b - (0 if e else f) for b, f, e in zip(text_bytes, first, starts_with_eos, strict=True)]
     assert list(out["bytes"]) == expected
     part = {k: v[-3:] for k, v in out.items()}
-    inputs, targets, ntokens, covered = task.collate(part)
-    assert ntokens == sum(n - 1 for n in lengths[-3:]) == int((targets != -100).sum())
-    assert covered == sum(expected[-3:])
+    inputs, targets, ntokens, covered = task.collate(part)  # the counts per row
+    assert ntokens == [n - 1 for n in lengths[-3:]] == (targets != -100).sum(1).tolist()
+    assert covered == expected[-3:]
     real = targets[:, :-1] != -100
     assert torch.equal(inputs[:, 1:][real], targets[:, :-1][real])  # the targets are the inputs shifted by one
 

@@ -12,15 +12,17 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from examples.custom_task import CONFIG, SpiralTask
 from raytrain_loops.callbacks.faults import Faults
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.config.run import FaultSpec
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed.sharding import shard
-from raytrain_loops.engine.update.micro import SplitError, split_batch
+from raytrain_loops.engine.update.micro import MicroBatches, SplitError, split_batch
 from raytrain_loops.rundir.layout import MICRO_BATCH_FILE
 from raytrain_loops.runtime.wiring import micro_batches
+from raytrain_loops.tasks import MapSplit
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -220,6 +222,59 @@ def test_the_lm_task_splits_packed_sequences_with_their_own_token_counts():
     parts = task.split_batch((inputs, targets, 8), 2)
     assert [p[2] for p in parts] == [3, 5]
     assert torch.equal(parts[1][0], inputs[2:])
+    # The step counts the batch's rows past its token count (a number no row holds), and cuts it
+    # with the task's own split; the default split refuses the number.
+    micro = MicroBatches(auto=True, mean=False, split=task.split_batch)
+    micro.splits = 2
+    out = micro.parts([(inputs, targets, 8), None])  # None: a batch this worker has not
+    assert [p if p is None else p[2] for p in out] == [3, 5, None, None]
+    assert micro._rows == 4 and micro.smaller((inputs, targets, 8))[2] == 3
+    with pytest.raises(SplitError, match=r"batch\[2\] is a int"):
+        MicroBatches(auto=True, mean=False).parts([(inputs, targets, 8)])
+
+
+def _counted(rows: list) -> tuple:
+    """Spirals' rows collated with their number: a value no row holds."""
+    x, y = torch.utils.data.default_collate(rows)
+    return x, y, len(rows)
+
+
+class CountedSpirals(SpiralTask):
+    """Spirals whose batches carry their number of rows, with no split of the task's own."""
+
+    def splits(self, data_dir):
+        return {k: MapSplit(s.dataset, collate_fn=_counted) for k, s in super().splits(data_dir).items()}
+
+    def criterion(self, model, batch, ctx):
+        return super().criterion(model, batch[:2], ctx)
+
+    def evaluate(self, model, batch):
+        return super().evaluate(model, batch[:2])
+
+
+class CutSpirals(CountedSpirals):
+    """The same batches, cut by a split of the task's own that counts each part's rows."""
+
+    def split_batch(self, batch, parts):
+        return [(x, y, len(y)) for x, y in split_batch(batch[:2], parts)]
+
+
+def test_a_task_whose_batches_cannot_be_cut_is_refused_before_the_run_directory_or_any_worker(tmp_path, monkeypatch):
+    from raytrain_loops import fit
+    from raytrain_loops.driver import fit as driver
+
+    def workers(*args, **kwargs):
+        raise AssertionError("the run's workers started")
+
+    monkeypatch.setattr(driver, "_train", workers)  # where the run would start its workers (Ray, or local)
+    config = {**CONFIG, "accum": {"micro_batch": "auto"}, "run": {"name": "counted", "storage_path": str(tmp_path)}}
+    says = r"accum.micro_batch: auto cuts .* of task 'spirals' cannot be cut: batch\[2\] is a int.* Task.split_batch"
+    with pytest.raises(ConfigError, match=says):
+        fit(config, task=CountedSpirals())
+    assert not list(tmp_path.iterdir())  # refused before the run directory was made
+    for task, micro_batch in ((CountedSpirals(), "fixed"), (CutSpirals(), "auto")):  # both reach the workers
+        with pytest.raises(AssertionError, match="workers started"):
+            fit({**config, "accum": {"micro_batch": micro_batch}}, task=task)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +297,6 @@ def test_a_micro_batch_size_is_only_for_an_oom_fault():
 
 
 def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_it(tmp_path, capsys):
-    from examples.custom_task import CONFIG, SpiralTask
     from raytrain_loops import fit
 
     # 64-row batches; from step 2 on, a micro-batch of more than 32 rows runs out of memory.

@@ -62,7 +62,7 @@ class Faults(Callback):
     def _out_of_memory(self, batch, step: int) -> None:
         """Raise an out-of-memory error for a micro-batch larger than an ``oom`` fault allows."""
         for index, fault in self.memory:
-            if step >= fault.step and (rows := batch_rows(batch)) > fault.micro_batch:
+            if step >= fault.step and (rows := batch_rows(batch, numbers=True)) > fault.micro_batch:
                 raise torch.OutOfMemoryError(
                     f"out of memory (fault.plan[{index}]: a micro-batch of {rows} rows on worker {self.rank}, "
                     f"more than {fault.micro_batch})"

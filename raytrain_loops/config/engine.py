@@ -174,7 +174,9 @@ class AccumConfig:
         "worker's micro-batch (each batch split in two) and doubles its micro-batches per update, and the same "
         "update is tried again on the same rows: the global batch and the update are unchanged. The size is kept "
         "for the rest of the run (checkpoints record it; a restarted group starts from it). Under "
-        "loss.reduction=mean a batch is only split into equal halves.",
+        "loss.reduction=mean a batch is only split into equal halves. Before any worker starts, the run's first "
+        "training batch is split in two (Task.split_batch): a task whose batches cannot be split along their rows "
+        "(a value no row holds, such as a batch's token count, without a split_batch of the task's own) is refused.",
     )
 
     def __post_init__(self) -> None:

@@ -18,6 +18,8 @@ from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError, to_dict
 from raytrain_loops.driver.run_dir import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
+from raytrain_loops.engine.update.micro import SplitError, batch_rows
+from raytrain_loops.runtime.batches import first_batch
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
 
 
@@ -270,7 +272,25 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             f"{config.data.batch_size} is more than the {rows['train'] // config.scaling.workers} training rows per worker",
         )
     planned_steps(config, splits, rows)  # an epoch too short for one update fails here, not on the workers
+    if config.accum.micro_batch == "auto":
+        check_splittable(config, task, splits, rows)
     return task, splits, rows
+
+
+def check_splittable(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int]) -> None:
+    """``accum.micro_batch=auto`` cuts every batch along its rows (``Task.split_batch``): the
+    run's first training batch, read and collated here, is cut in two, so that a task whose
+    batches cannot be cut is refused before any worker starts, not at the first update on Ray."""
+    batch, _ = first_batch(task, config, splits, rows)
+    try:
+        batch_rows(batch, numbers=True)
+        task.split_batch(batch, 2)
+    except SplitError as err:
+        raise ConfigError(
+            "accum.micro_batch",
+            f"auto cuts each batch along its rows, and the first training batch of task {config.task.name!r} "
+            f"cannot be cut: {err}",
+        ) from None
 
 
 def _rank0_sampler(config: Config, split: MapSplit) -> tuple[Any, int]:

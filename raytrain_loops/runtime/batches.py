@@ -31,6 +31,7 @@ from raytrain_loops.data.parquet import (
 from raytrain_loops.data.recut import Deal, RecutPlan, data_record, recut_plan, resume_point
 from raytrain_loops.engine.length import accum_steps, batches_per_epoch, steps_in_epoch
 from raytrain_loops.engine.loop import Position
+from raytrain_loops.streams import close
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
 
 Plan = WorkerPlan | RecutPlan
@@ -263,3 +264,14 @@ def preprocessed_here(
         task, index, plan, range(first, plan.windows), first, skip, seeds, data.preprocess.batch_rows, train
     )
     return prefetched(parts, max(1, data.prefetch_batches))
+
+
+def first_batch(task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int]) -> tuple[Any, Batches]:
+    """Rank 0's first training batch of epoch 0, as a run with ``scaling.num_workers``
+    workers reads it (``Task.preprocess`` applied here), and the batch source."""
+    source = Batches(task, config, splits, rows, 0, config.scaling.workers, "cpu", preprocessed_here)
+    stream = source.batches("train", 0)
+    try:
+        return next(iter(stream)), source
+    finally:
+        close(stream)

@@ -133,7 +133,9 @@ class Task:
         """A collated training batch cut along its rows into ``parts`` micro-batches
         (``accum.micro_batch=auto``). The default cuts tensors along their first dimension and
         lists item by item, through tuples and dicts; a task whose batches carry values that
-        follow from the rows (a token count) gives its own, or the run stops at its first update."""
+        follow from the rows (a token count) gives its own, or carries them per row (``hf_lm``'s
+        lists of tokens and bytes per row). The driver tries it on the run's first batch before any
+        worker starts, and refuses ``auto`` for a batch it cannot cut."""
         return split_batch(batch, parts)
 
     def after_step(self, model: nn.Module, stats: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,8 @@ trained on the training text once on the driver (cached by its inputs). ``text``
 standard library's source (the ``lm`` recipe's text). :meth:`prepare` packs the documents, an
 ``EOS`` after each, into rows of text that tokenize to ``max_len + 1`` tokens (a Parquet file per
 split, cached); :meth:`preprocess` tokenizes each row in preprocessing tasks; the criterion sums the
-cross-entropy over target tokens (``loss.reduction=sum``), padding masked. Metrics: ``loss`` per
+cross-entropy over target tokens (``loss.reduction=sum``), padding masked. A batch counts its
+target tokens and bytes per row, so ``accum.micro_batch=auto`` cuts it along its rows. Metrics: ``loss`` per
 token and ``bpb``, bits per byte of the original text (comparable across tokenizers and with the
 ``lm`` recipe's). No network access: every load passes ``local_files_only``, and no hub setting of
 the process is changed.
@@ -246,13 +247,16 @@ class HFLMTask(Task):
                 covered[i] = len(span.encode()) - span.count(eos) * eos_bytes
         return {"ids": ids, "n": n, "bytes": covered}
 
-    def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """``(inputs, targets, target tokens, target bytes)``; targets past a row's end are IGNORE."""
+    def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """``(inputs, targets, target tokens, target bytes)``, the counts per row (lists of ints,
+        which stay on the host): every part carries the rows, so ``accum.micro_batch=auto`` cuts
+        a batch into micro-batches that count their own tokens and bytes. Targets past a row's
+        end are IGNORE."""
         ids = torch.as_tensor(np.stack(batch["ids"]).astype(np.int64))
         n = torch.as_tensor(np.asarray(batch["n"], dtype=np.int64))
         inputs, targets = ids[:, :-1], ids[:, 1:].clone()
         targets[torch.arange(targets.shape[1]) >= (n - 1).unsqueeze(1)] = IGNORE
-        return inputs, targets, int((targets != IGNORE).sum()), int(np.sum(batch["bytes"]))
+        return inputs, targets, (targets != IGNORE).sum(1).tolist(), np.asarray(batch["bytes"], dtype=np.int64).tolist()
 
     def build_model(self) -> nn.Module:
         """The model from the files :meth:`prepare` read (its weights when the directory had any);
@@ -273,7 +277,7 @@ class HFLMTask(Task):
         return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
-        inputs, targets, ntokens, nbytes = batch
+        inputs, targets, ntokens, nbytes = _counted(batch)
         logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         # Weighted by the bytes, not the tokens: over an interval, the sum of nll over the sum of bytes.
@@ -281,10 +285,16 @@ class HFLMTask(Task):
         return LossOutput(loss, sample_size=ntokens, logs=logs)
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
-        inputs, targets, ntokens, nbytes = batch
+        inputs, targets, ntokens, nbytes = _counted(batch)
         logits = model(input_ids=inputs).logits.float()
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         return {"loss": (nll / max(ntokens, 1), ntokens), "bpb": (nll / (max(nbytes, 1) * LN2), nbytes)}
+
+
+def _counted(batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A batch's inputs and targets, and its target tokens and bytes summed over its rows."""
+    inputs, targets, tokens, covered = batch
+    return inputs, targets, sum(tokens), sum(covered)
 
 
 def _check(model: Any, tokenizer: Any, text: dict, max_len: int) -> None:

@@ -32,9 +32,8 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.engine.update import precision
-from raytrain_loops.runtime.batches import Batches, preprocessed_here
+from raytrain_loops.runtime.batches import first_batch
 from raytrain_loops.runtime.wiring import task_engine
-from raytrain_loops.streams import close
 from raytrain_loops.tasks import Task
 from raytrain_loops.tools.tensor_memory import TensorMemory
 
@@ -131,17 +130,6 @@ class Measured:
     dtype: str
     why: str
     seconds: float
-
-
-def first_batch(task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int]) -> tuple[Any, Batches]:
-    """Rank 0's first training micro-batch of epoch 0, as a run with ``scaling.num_workers``
-    workers reads it (``Task.preprocess`` applied here), and the batch source."""
-    source = Batches(task, config, splits, rows, 0, config.scaling.workers, "cpu", preprocessed_here)
-    stream = source.batches("train", 0)
-    try:
-        return next(iter(stream)), source
-    finally:
-        close(stream)
 
 
 def run_config(config: Config) -> Config:

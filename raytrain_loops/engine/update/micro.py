@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["Attempt", "MicroBatches", "Resize", "SplitError", "batch_rows", "split_batch"]
 
 SplitFn = Callable[[Any, int], list[Any]]
+REMEDY = "a task whose batches hold such values gives Task.split_batch, or runs with accum.micro_batch=fixed"
 
 
 class SplitError(TrainingError):
@@ -48,38 +49,38 @@ def _fields(batch: Any) -> Any:
     return tuple(batch) if isinstance(batch, list) else batch
 
 
-def batch_rows(batch: Any, where: str = "batch") -> int:
+def batch_rows(batch: Any, where: str = "batch", *, numbers: bool = False) -> int:
     """The rows of a collated batch: the length of its tensors' first dimension and of its lists
     of per-row items, which must all agree. Raises :class:`SplitError` naming the part that has
-    no rows."""
+    no rows. ``numbers``: pass over Python numbers (a batch's token count), values a task's own
+    ``split_batch`` works out again for each part; the default split refuses them."""
     counts: dict[str, int] = {}
-    _rows(_fields(batch), where, counts)
+    _rows(_fields(batch), where, counts, numbers)
     if not counts:
-        raise SplitError(f"{where} holds no tensor or list to split into micro-batches")
+        raise SplitError(f"{where} holds no tensor or list to split into micro-batches; {REMEDY}")
     if len(set(counts.values())) > 1:
         shown = ", ".join(f"{k}: {v}" for k, v in counts.items())
         raise SplitError(
-            f"the parts of the batch disagree on its rows ({shown}): it cannot be split into micro-batches"
+            f"the parts of the batch disagree on its rows ({shown}): it cannot be split into micro-batches; {REMEDY}"
         )
     return next(iter(counts.values()))
 
 
-def _rows(obj: Any, where: str, counts: dict[str, int]) -> None:
+def _rows(obj: Any, where: str, counts: dict[str, int], numbers: bool) -> None:
     if isinstance(obj, torch.Tensor) and obj.dim() > 0:
         counts[where] = obj.shape[0]
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _rows(v, f"{where}[{k!r}]", counts)
+            _rows(v, f"{where}[{k!r}]", counts, numbers)
     elif isinstance(obj, tuple):
         for i, v in enumerate(obj):
-            _rows(v, f"{where}[{i}]", counts)
+            _rows(v, f"{where}[{i}]", counts, numbers)
     elif isinstance(obj, list):
         counts[where] = len(obj)
+    elif numbers and isinstance(obj, (int, float)):
+        return
     else:
-        raise SplitError(
-            f"{where} is a {type(obj).__name__}, which cannot be split along the batch's rows; a task whose "
-            "batches carry such values gives Task.split_batch, or runs with accum.micro_batch=fixed"
-        )
+        raise SplitError(f"{where} is a {type(obj).__name__}, which cannot be split along the batch's rows; {REMEDY}")
 
 
 def split_batch(batch: Any, parts: int) -> list[Any]:
@@ -171,12 +172,13 @@ class MicroBatches:
     def parts(self, batches: Sequence[Any]) -> list[Any]:
         """The update's micro-batches: each batch cut into ``splits`` (a ``None`` batch, a worker
         out of data, into as many ``None``); the batches as they are unless ``auto``. The first
-        batch is tried once, so a batch that cannot be split fails at the first update."""
+        batch is tried once, so a batch that cannot be split fails at the first update (the driver's
+        preflight tries the run's first batch before any worker starts)."""
         if not self.auto:
             return list(batches)
         self._batches = len(batches)
         real = [b for b in batches if b is not None]
-        self._rows = max((batch_rows(b) for b in real), default=0)
+        self._rows = max((batch_rows(b, numbers=True) for b in real), default=0)
         if real and not self._checked:
             self.split(real[0], 2)
             self._checked = True
@@ -190,7 +192,7 @@ class MicroBatches:
     def smaller(self, batch: Any) -> Any:
         """The first half of ``batch`` (itself when it holds one row): the zero-weight pass a
         worker joins the collectives with after an OOM takes it."""
-        if batch is None or batch_rows(batch) < 2:
+        if batch is None or batch_rows(batch, numbers=True) < 2:
             return batch
         return self.split(batch, 2)[0]
 
