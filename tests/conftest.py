@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray with 4 logical CPUs: two 1-CPU training workers and room for Ray Data."""
+    """A local Ray with 4 logical CPUs: two 1-CPU training workers and room for the preprocessing tasks."""
     import ray
 
     from raytrain_loops.driver.ray_start import start_local_ray

@@ -60,7 +60,7 @@ class RecordingDigits(DigitsTask):
 
 
 class PreprocessedDigits(RecordingDigits):
-    """Recording digits whose rows are preprocessed by Ray Data tasks: training images get noise
+    """Recording digits whose rows are preprocessed in Ray tasks: training images get noise
     drawn from each row's seed (an augmentation), and every row notes the process that
     preprocessed it (``pre_pid``)."""
 

@@ -1,4 +1,4 @@
-"""The recipes that preprocess on Ray Data (``hf_lm``, ``images_cls``) across two Ray nodes that
+"""The recipes that preprocess in Ray tasks (``hf_lm``, ``images_cls``) across two Ray nodes that
 share no disk (tests/multinode.py): one training worker per node, data and run directory on the
 S3 server, streamed by the workers (``data.materialize=never``), a preprocessing slot left on each
 node. Each run's checkpoints record where it trained (every worker's node) and where its rows

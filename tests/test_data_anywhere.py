@@ -245,7 +245,7 @@ def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preproces
     with pytest.raises(DataError, match=rf"^data\.dir={tmp_path}: node \S+ \(node id \w+\) cannot open split 'train'"):
         check_nodes(config, {"train": split}, held=set())
 
-    images = build_task("images", {})  # it preprocesses in Ray Data tasks
+    images = build_task("images", {})  # it preprocesses in Ray tasks
     check_preprocess_cpus(load_config(None, ["data.preprocess.num_cpus=2"]), images, {"train": split})  # 4 - 2 left
     with pytest.raises(ConfigError, match=r"data\.preprocess\.num_cpus.*asks 3 CPUs.*2 of them left beside the 2"):
         check_preprocess_cpus(config, images, {"train": split})

@@ -74,7 +74,7 @@ def _assert_same(a, b, where="state"):
 def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sample_once(ray_session, tmp_path):
     """A run whose worker 1 is killed after step 15 and whose worker 0 raises after step 27 ends
     as the run without faults does, and its three attempts log to one MLflow run. Its rows are
-    preprocessed (with a random augmentation) by Ray Data tasks, not by the training workers.
+    preprocessed (with a random augmentation) in Ray tasks, not by the training workers.
 
     The run without faults then has its newest checkpoint torn and is continued: the rerun restores
     the checkpoint before it, and a loss spike ends it with no retry and nothing written after it."""
@@ -125,7 +125,7 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
 
     used, reference = counted_batches(tmp_path / "rec-faulty"), counted_batches(tmp_path / "rec-clean")
     assert used == reference  # the same rows in every micro-batch of every step
-    # Preprocessed by Ray Data tasks: never in the process that trains on the rows.
+    # Preprocessed in Ray tasks: never in the process that trains on the rows.
     processes = batch_processes(tmp_path / "rec-faulty")
     assert len(processes) >= 36 * 2 * 2
     assert all(pre and pid not in pre for pid, pre in processes)

@@ -311,7 +311,7 @@ def _model_dir(tmp_path: Path, corpus: dict) -> Path:
 def test_the_task_shipped_to_preprocessing_carries_the_tokenizer_by_content_and_no_weights_nor_driver_path(
     tmp_path, corpus
 ):
-    """What Ray Data ships to every preprocessing task (Task.preprocessing_copy, as worker/batches.py
+    """What the driver ships to every preprocessing task (Task.preprocessing_copy, as worker/batches.py
     passes it) holds the tokenizer's files and works on a node that has none of the driver's
     directories; the training workers' copy holds the weights and builds the model without them."""
     import pickle

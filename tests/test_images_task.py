@@ -81,7 +81,7 @@ def test_the_recipe_limits_the_object_store_of_the_local_ray_it_starts(monkeypat
     config = load_config(resolve("images_cls"))
     assert config.task.name == "images" and config.data.preprocess.num_cpus == 1
     ray_start.ensure_ray(config)
-    cpus = max(os.cpu_count() or 1, 3)  # at least 2 workers + 1 CPU for Ray Data
+    cpus = max(os.cpu_count() or 1, 3)  # at least 2 workers + 1 CPU for the preprocessing tasks
     assert started == [(cpus, {"object_store_memory": 1_000_000_000})]
     ray_start.ensure_ray(load_config(resolve("default")))
     assert started[1] == (cpus, {})  # Ray's default size

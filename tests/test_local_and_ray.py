@@ -1,7 +1,7 @@
 """The same run, anywhere: a local run continues on Ray from its checkpoint and a Ray run continues
 locally, each ending with the weights of an uninterrupted run at the same world size (one
 worker), and a one-worker Ray run trains on the local run's batches, batch for batch, on a
-Parquet split whose rows are preprocessed (by Ray Data's tasks on Ray, in the process locally)."""
+Parquet split whose rows are preprocessed (in Ray tasks on Ray, in the process locally)."""
 
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
 
 
 def _assert_a_clean_console(console: str, run_dir: Path) -> None:
-    """The console holds this project's lines; Ray's output (every report, the controller's and
-    Ray Data's lines, deprecation warnings) went to ray.log: alike on a local Ray and joined to a
+    """The console holds this project's lines; Ray's output (every report, the controller's lines,
+    deprecation warnings) went to ray.log: alike on a local Ray and joined to a
     cluster."""
     for ray_only in (
         "TrainingReport(",

@@ -8,7 +8,7 @@ run, a ``ray job submit`` job (whose entrypoint is the driver) and a run directo
 store (which rank 0 only uploads at checkpoints, too late to follow).
 
 Everything Ray prints goes to ``ray.log``: the workers' and actors' forwarded output (the
-controller's resource requests, Ray Data's execution plans, each report), Ray's loggers on the
+controller's resource requests, each report), Ray's loggers on the
 driver, its warnings. A forwarded line starting with ``warning:`` (this project's own warnings,
 e.g. a damaged checkpoint skipped) is shown as well. Of the raylet's messages, one on memory or a
 kill is shown by its first line and where the rest is; a worker's death is left to the Train

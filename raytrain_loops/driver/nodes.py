@@ -23,7 +23,7 @@ PROBE_TIMEOUT_S = 60.0
 
 
 def work_nodes() -> list[dict[str, Any]]:
-    """The alive nodes where training workers or Ray Data tasks can land (some CPU or GPU)."""
+    """The alive nodes where training workers or preprocessing tasks can land (some CPU or GPU)."""
     return [
         n
         for n in ray.nodes()

@@ -14,7 +14,7 @@ from raytrain_loops.config.run import LoopConfig
 def batches_per_epoch(rows: int, workers: int, batch_size: int, *, padded: bool = False) -> int:
     """One worker's training batches per epoch; the last partial batch is dropped.
 
-    Ray Data splits a Parquet split's rows equally over the workers and drops the remainder
+    A Parquet split's plan deals its rows equally over the workers and drops the remainder
     (``padded=False``); a ``DistributedSampler`` (map-style splits) pads every worker up to
     ``ceil(rows / workers)`` rows (``padded=True``).
     """
