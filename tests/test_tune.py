@@ -168,7 +168,7 @@ def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe
             "points": [{"schedules.lr.value": lr, "data.batch_size": 32} for lr in (good, poor)],
         },
         # The first rung at step 30: before it, evaluation in eval mode is at chance for both rates on
-        # one worker (BatchNorm's running statistics still settling); at 30 they differ.
+        # one worker (BatchNorm's running statistics still settling); at 30, 0.67 against 0.24.
         scheduler={"name": "asha", "grace_period": 30, "reduction_factor": 2},
     )
     sweep_file = tmp_path / "sweep.yaml"
