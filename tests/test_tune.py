@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -75,76 +76,6 @@ TINY = ["schedules.lr.warmup_steps=0", "logging.every_steps=5"]
 
 
 @pytest.mark.ray
-def test_asha_sweep_stops_a_trial_early_and_writes_a_usable_best_recipe(ray_session, tmp_path, capfd):
-    from raytrain_loops import tune
-
-    sweep = _sweep(
-        tmp_path,
-        name="asha",
-        num_samples=1,
-        # One trial at a time, the good rate first (a grid runs in its order): the good trial is
-        # the rung's first result and goes on; the poor one, compared with it at the rung, stops.
-        max_concurrent_trials=1,
-        space={"schedules.lr.value": {"grid": [3.0e-3, 1.0e-5]}},
-        # The first rung at step 30: before it, evaluation in eval mode is at chance for both rates on
-        # one worker (0.10-0.11 at steps 10 and 20, BatchNorm's running statistics still settling);
-        # at 30, 0.44 against 0.10.
-        scheduler={"name": "asha", "grace_period": 30, "reduction_factor": 2},
-    )
-    store = tmp_path / "mlruns"  # an MLflow directory store
-    overrides = [*TINY, "loop.max_steps=60", f"data.dir={tmp_path / 'data'}", f"logging.mlflow.tracking_uri={store}"]
-    result = tune(resolve("default"), sweep, overrides=overrides)
-
-    table = pd.read_csv(Path(result.sweep_dir) / "results.csv")
-    assert len(table) == 2 and (table["error"].isna()).all(), table
-    assert sorted(table["trial"]) == ["trial_00000", "trial_00001"]
-    # ASHA stopped the poor trial at its rung (step 30); the best ran to the end.
-    steps = dict(zip(table["schedules.lr.value"], table["steps"], strict=True))
-    assert steps[1.0e-5] < 60 and steps[3.0e-3] == 60, table
-    best = table.loc[table["eval_accuracy"].idxmax()]
-    assert best["schedules.lr.value"] == 3.0e-3 and best["steps"] == 60
-    assert result.best_values == {"schedules.lr.value": 3.0e-3}
-    # best.yaml is a recipe `train` accepts, with the best value in it.
-    recipe = load_config(Path(result.sweep_dir) / "best.yaml")
-    assert recipe.schedules["lr"].value == 3.0e-3 and recipe.scaling.num_workers == 1  # the sweep's trial section
-    assert recipe.run.storage_path == load_config(resolve("default")).run.storage_path
-    assert (Path(result.sweep_dir) / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
-    # Each trial's Train run is its trial's directory, one tree under the sweep, and a complete run
-    # directory: the one ASHA stopped too (its summary written by the sweep, from its last report).
-    sweep_dir = Path(result.sweep_dir)
-    assert sorted(p.name for p in sweep_dir.glob("trial*")) == list(table["trial"].sort_values())
-    for _, row in table.iterrows():
-        run_dir = sweep_dir / row["trial"]
-        assert (run_dir / "params.json").is_file() and (run_dir / "metrics.jsonl").is_file()  # Tune's and ours
-        assert load_config(run_dir / "config.yaml").schedules["lr"].value == row["schedules.lr.value"]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["metrics"]["step"] == row["steps"] and "trial_id" not in summary["metrics"]
-        assert summary["metrics"]["eval_accuracy"] == pytest.approx(row["eval_accuracy"])
-        if row["steps"] == 60:  # the run that ended its own way: its final checkpoint
-            assert Path(summary["checkpoint"]) == run_dir / "checkpoint_00000060"
-        assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    # The console is a run's: the trials' lines; Ray's own output, Tune's box and its TensorBoard
-    # hint into Ray's temporary directory among it, in the sweep's ray.log.
-    out, err = capfd.readouterr()
-    assert "trial_00001 stopped by the scheduler at step " in out, out[-3000:]
-    for ray_only in ("Configuration for experiment", "tensorboard --logdir", "PlacementGroupCleaner", "\x1b["):
-        assert ray_only not in out + err, (ray_only, out[-3000:], err[-3000:])
-    assert "Configuration for experiment" in (sweep_dir / "ray.log").read_text()
-
-    # One MLflow run per trial in the sweep's experiment, ended even when ASHA stopped the trial.
-    from mlflow import MlflowClient
-
-    client = MlflowClient(str(store))
-    runs = client.search_runs([client.get_experiment_by_name("asha").experiment_id])
-    assert sorted(r.data.tags["trial"] for r in runs) == sorted(table["trial"])
-    assert {r.data.tags["sweep"] for r in runs} == {"asha"} and {r.info.status for r in runs} == {"FINISHED"}
-    by_trial = {r.data.tags["trial"]: r for r in runs}
-    best_run = by_trial[best["trial"]]
-    assert best_run.data.params["schedules.lr.value"] == "0.003"
-    assert best_run.data.metrics["eval_accuracy"] == pytest.approx(best["eval_accuracy"])
-
-
-@pytest.mark.ray
 def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     from raytrain_loops import tune
     from raytrain_loops.engine.checkpoint import files as ckpt
@@ -183,51 +114,189 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     assert any(src - {name.split("-from-")[0]} for name, src in sources.items()), sources
 
 
-@pytest.mark.ray
-def test_an_interrupted_optuna_sweep_resumes_when_run_again(ray_session, tmp_path):
-    """`raytrain-loops tune` with Optuna's TPE, stopped by Ctrl-C mid-sweep; the same command
-    finishes it without rerunning the trial that had finished. Both commands join the session's
-    Ray (``RAY_ADDRESS``, as on a cluster): the trials of the interrupted one end with its job."""
-    # examples/sweep.yaml's space and search, at a reduced size.
-    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "sweep.yaml").read_text())
-    assert example["search"]["algorithm"] == "optuna"
-    sweep_file = tmp_path / "sweep.yaml"
-    sweep = _sweep(tmp_path, name="resumable", max_concurrent_trials=1, num_samples=2)
-    sweep_file.write_text(yaml.safe_dump({**sweep, "space": example["space"], "search": example["search"]}))
-    command = [
-        sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=20",
-        f"data.dir={tmp_path / 'data'}", "--sweep", str(sweep_file),
-    ]  # fmt: skip
-    trials = tmp_path / "sweeps" / "resumable"
-    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+def _mlflow_runs(store: Path) -> dict[str, tuple[str, str]]:
+    """The MLflow runs of the sweep "asha": trial -> (run id, status)."""
+    from raytrain_loops.callbacks.mlflow_log import client
+
+    mlflow_client = client(str(store))
+    runs = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("asha").experiment_id])
+    return {r.data.tags["trial"]: (r.info.run_id, r.info.status) for r in runs}
+
+
+def _interrupt_and_rerun(
+    command: list[str], sweep_dir: Path, env: dict[str, str], store: Path
+) -> tuple[str, dict[str, tuple[str, str]], subprocess.CompletedProcess]:
+    """Run the sweep's command, Ctrl-C it once its first trial has written its final checkpoint
+    and its third has started its Train run, then run the same command again to its end: the
+    first command's output, the MLflow runs it left, the second command."""
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 240
-    # Interrupt once the first trial has written its final checkpoint and the second has started.
-    while not ((trials / "trial_00000" / "checkpoint_00000020").exists() and (trials / "trial_00001").exists()):
+    deadline = time.monotonic() + 600  # three Train runs' starts, on a loaded machine
+    started = sweep_dir / "trial_00002" / "config.yaml"  # written once the trial's MLflow run is open
+    while not ((sweep_dir / "trial_00000" / "checkpoint_00000060").exists() and started.exists()):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.5)
     first.send_signal(signal.SIGINT)
-    interrupted = first.communicate(timeout=120)[0]
-
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    interrupted = first.communicate(timeout=300)[0]
+    between = _mlflow_runs(store)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return interrupted, between, second
+
+
+@pytest.mark.ray
+def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe(ray_session, tmp_path):
+    """`raytrain-loops tune` over examples/sweep.yaml's space with Optuna's TPE and ASHA, one trial
+    at a time: a good rate, then a poor one that ASHA stops at its rung, then Optuna's own
+    proposal, during which Ctrl-C stops the sweep; the same command finishes it without rerunning
+    the trials that had ended. Both commands join the session's Ray (``RAY_ADDRESS``, as on a
+    cluster): the trials of the interrupted one end with its job."""
+    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "sweep.yaml").read_text())
+    assert example["search"]["algorithm"] == "optuna"
+    good, poor = 3.0e-3, 1.0e-4  # the poor rate is the space's lowest
+    sweep = _sweep(
+        tmp_path,
+        name="asha",
+        num_samples=3,
+        # One trial at a time, the given points first, the good rate before the poor one: the good
+        # trial is the rung's first result and goes on; the poor one, compared with it at the
+        # rung, stops. Ray Tune does not save the scheduler with the sweep: the stop is decided
+        # before the interruption, and the resumed trial is the rung's first again.
+        max_concurrent_trials=1,
+        space=example["space"],
+        search={
+            **example["search"],
+            "points": [{"schedules.lr.value": lr, "data.batch_size": 32} for lr in (good, poor)],
+        },
+        # The first rung at step 30: before it, evaluation in eval mode is at chance for both rates on
+        # one worker (BatchNorm's running statistics still settling); at 30, 0.67 against 0.24.
+        scheduler={"name": "asha", "grace_period": 30, "reduction_factor": 2},
+    )
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep))
+    store = tmp_path / "mlruns"  # an MLflow directory store
+    command = [
+        sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=60",
+        f"data.dir={tmp_path / 'data'}", f"logging.mlflow.tracking_uri={store}", "--sweep", str(sweep_file),
+    ]  # fmt: skip
+    sweep_dir = tmp_path / "sweeps" / "asha"
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    interrupted, between, second = _interrupt_and_rerun(command, sweep_dir, env, store)
+
+    # A sweep's console is a run's: the trials' lines, a resumed one's too; Ray's own output, Tune's
+    # box and its TensorBoard hint into Ray's temporary directory among it, in the sweep's ray.log.
     assert "resuming the sweep" in second.stdout
-    # A sweep's console is a run's (Ray's output in the sweep's ray.log); a resumed one's trial
-    # lines too.
-    assert "trial_00000 finished at step 20: eval_accuracy " in interrupted, interrupted[-3000:]
-    assert "trial_00001 finished at step 20: eval_accuracy " in second.stdout, second.stdout[-3000:]
+    assert "trial_00000 finished at step 60: eval_accuracy " in interrupted, interrupted[-3000:]
+    assert "trial_00001 stopped by the scheduler at step " in interrupted, interrupted[-3000:]
+    assert "trial_00002 finished at step 60: eval_accuracy " in second.stdout, second.stdout[-3000:]
     for console in (interrupted, second.stdout + second.stderr):
         for ray_only in ("Configuration for experiment", "tensorboard --logdir", "PlacementGroupCleaner", "\x1b["):
             assert ray_only not in console, (ray_only, console[-3000:])
-    sweep_dir = tmp_path / "sweeps" / "resumable"
+    assert "Configuration for experiment" in (sweep_dir / "ray.log").read_text()
+
     table = pd.read_csv(sweep_dir / "results.csv")
-    assert sorted(table["trial"]) == ["trial_00000", "trial_00001"] and (table["steps"] == 20).all(), table
-    # Optuna proposed both trials inside the space, and its study was saved with the sweep.
+    assert len(table) == 3 and (table["error"].isna()).all(), table
+    assert sorted(table["trial"]) == ["trial_00000", "trial_00001", "trial_00002"]
+    # ASHA stopped the poor trial at its rung (step 30); the good one and Optuna's ran to the end.
+    lrs, steps = (dict(zip(table["trial"], table[key], strict=True)) for key in ("schedules.lr.value", "steps"))
+    assert (lrs["trial_00000"], lrs["trial_00001"]) == (good, poor), table
+    assert steps["trial_00001"] < 60 and steps["trial_00000"] == steps["trial_00002"] == 60, table
+    # Optuna proposed its trial inside the space, and its study was saved with the sweep.
     assert table["schedules.lr.value"].between(1.0e-4, 1.0e-2).all() and table["data.batch_size"].isin([16, 32]).all()
-    assert table["schedules.lr.value"].nunique() == 2 and list(sweep_dir.glob("searcher-state-*.pkl"))
+    assert table["schedules.lr.value"].nunique() == 3 and list(sweep_dir.glob("searcher-state-*.pkl"))
+    best = table.loc[table["eval_accuracy"].idxmax()]
+    assert best["schedules.lr.value"] == good and best["steps"] == 60
+    _check_best_recipe(sweep_dir, second.stdout, {"schedules.lr.value": good, "data.batch_size": 32})
+    _check_trial_runs(sweep_dir, table)
     # The finished trial was not run again: each of its steps was logged once.
-    steps = [json.loads(line)["step"] for line in (trials / "trial_00000" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 21))
+    logged = (sweep_dir / "trial_00000" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in logged] == list(range(1, 61))
+    _check_mlflow(store, table, best, between)
+
+
+def _check_best_recipe(sweep_dir: Path, console: str, values: dict) -> None:
+    """The sweep's best values, as it printed them, and best.yaml: a recipe `train` accepts, with
+    the best values in it."""
+    (shown,) = [line for line in console.splitlines() if line.startswith("best: ")]
+    assert ast.literal_eval(shown.removeprefix("best: ").split(" -> ")[0]) == values, shown
+    recipe = load_config(sweep_dir / "best.yaml")
+    assert recipe.schedules["lr"].value == values["schedules.lr.value"]
+    assert recipe.data.batch_size == values["data.batch_size"]
+    assert recipe.scaling.num_workers == 1  # the sweep's trial section
+    assert recipe.run.storage_path == load_config(resolve("default")).run.storage_path
+    assert (sweep_dir / "metric_per_trial.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _check_trial_runs(sweep_dir: Path, table: pd.DataFrame) -> None:
+    """Each trial's Train run is its trial's directory, one tree under the sweep, and a complete
+    run directory: the one ASHA stopped too (its summary written by the sweep, from its last
+    report), and the one the interruption stopped (its run resumed)."""
+    assert sorted(p.name for p in sweep_dir.glob("trial*")) == list(table["trial"].sort_values())
+    for _, row in table.iterrows():
+        run_dir = sweep_dir / row["trial"]
+        assert (run_dir / "params.json").is_file() and (run_dir / "metrics.jsonl").is_file()  # Tune's and ours
+        assert load_config(run_dir / "config.yaml").schedules["lr"].value == row["schedules.lr.value"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["metrics"]["step"] == row["steps"] and "trial_id" not in summary["metrics"]
+        assert summary["metrics"]["eval_accuracy"] == pytest.approx(row["eval_accuracy"])
+        if row["steps"] == 60:  # the runs that ended their own way: their final checkpoints
+            assert Path(summary["checkpoint"]) == run_dir / "checkpoint_00000060"
+        assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _check_mlflow(store: Path, table: pd.DataFrame, best: pd.Series, between: dict[str, tuple[str, str]]) -> None:
+    """One MLflow run per trial in the sweep's experiment, ended even when ASHA stopped the trial;
+    the trial the interruption stopped ended its run KILLED, as an interrupted run does, and its
+    resumed Train run continued that MLflow run to FINISHED."""
+    from raytrain_loops.callbacks.mlflow_log import client
+
+    statuses = {trial: status for trial, (_, status) in between.items()}
+    assert statuses == {"trial_00000": "FINISHED", "trial_00001": "FINISHED", "trial_00002": "KILLED"}, between
+    mlflow_client = client(str(store))
+    runs = mlflow_client.search_runs([mlflow_client.get_experiment_by_name("asha").experiment_id])
+    assert sorted(r.data.tags["trial"] for r in runs) == sorted(table["trial"])
+    assert {r.data.tags["sweep"] for r in runs} == {"asha"} and {r.info.status for r in runs} == {"FINISHED"}
+    by_trial = {r.data.tags["trial"]: r for r in runs}
+    assert {trial: r.info.run_id for trial, r in by_trial.items()} == {t: run_id for t, (run_id, _) in between.items()}
+    best_run = by_trial[best["trial"]]
+    assert best_run.data.params["schedules.lr.value"] == "0.003"
+    assert best_run.data.metrics["eval_accuracy"] == pytest.approx(best["eval_accuracy"])
+
+
+def test_an_interrupted_sweep_ends_the_latest_run_of_each_interrupted_trial_killed(tmp_path):
+    """The MLflow runs a sweep ends after Tune: a trial the sweep's interruption stopped is KILLED
+    (it resumes with the sweep), only its latest run; a trial a scheduler stopped FINISHED."""
+    from raytrain_loops.callbacks.mlflow_log import client
+    from raytrain_loops.driver.tracking import finish_sweep, open_tracking
+
+    config = load_config(resolve("default"), [f"logging.mlflow.tracking_uri={tmp_path / 'mlruns'}"])
+    tracking = open_tracking(config.logging.mlflow, default_experiment="s")
+    mlflow_client = client(tracking.tracking_uri)
+
+    def run(trial: str, status: str, sweep: str = "s") -> str:
+        started = 1_000_000 + len(runs)  # each run started after the one before
+        tags = {"sweep": sweep, "trial": trial}
+        run_id = mlflow_client.create_run(tracking.experiment_id, start_time=started, tags=tags).info.run_id
+        if status != "RUNNING":
+            mlflow_client.set_terminated(run_id, status)
+        return run_id
+
+    runs: dict[str, str] = {}
+    runs["stopped"] = run("trial_00000", "RUNNING")  # a trial a scheduler stopped: its actor killed
+    runs["failed"] = run("trial_00001", "RUNNING")
+    runs["exploited"] = run("trial_00002", "FINISHED")  # a PBT trial's run before an exploit ...
+    runs["interrupted"] = run("trial_00002", "FINISHED")  # ... and its continuation, ended as Tune ended it
+    runs["killed"] = run("trial_00003", "RUNNING")  # an interrupted trial whose actor was killed
+    runs["other_sweep"] = run("trial_00000", "RUNNING", sweep="t")
+    finish_sweep(tracking, "s", {"trial_00001"}, {"trial_00002", "trial_00003"})
+    statuses = {key: mlflow_client.get_run(run_id).info.status for key, run_id in runs.items()}
+    assert statuses == {
+        "stopped": "FINISHED",
+        "failed": "FAILED",
+        "exploited": "FINISHED",
+        "interrupted": "KILLED",
+        "killed": "KILLED",
+        "other_sweep": "RUNNING",
+    }
 
 
 def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path):

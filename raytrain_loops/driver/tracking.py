@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -234,9 +234,12 @@ def tracked(
         end_run(run, run_dir, status)
 
 
-def finish_sweep(tracking: Tracking, sweep: str, failed: set[str]) -> None:
+def finish_sweep(tracking: Tracking, sweep: str, failed: set[str], interrupted: Collection[str] = ()) -> None:
     """End the runs of a sweep's trials that a scheduler stopped before they could end their own
-    (their actors are killed): FAILED for the trials in ``failed``, FINISHED for the others."""
+    (their actors are killed): FAILED for the trials in ``failed``, FINISHED for the others. The
+    latest run of each trial in ``interrupted`` (running when the sweep was stopped, resumed with
+    it) ends KILLED, as an interrupted run does, whatever its trial's actor said: Tune ends such a
+    trial as it ends one that a scheduler stops."""
     with http_limits(DRIVER_HTTP):
         mlflow_client = client(tracking.tracking_uri)
         runs = mlflow_client.search_runs(
@@ -244,6 +247,14 @@ def finish_sweep(tracking: Tracking, sweep: str, failed: set[str]) -> None:
         )
         for run in runs:
             trial = run.data.tags.get("trial", "")
-            mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
-
-
+            if trial not in interrupted:
+                mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
+        for trial in sorted(interrupted):
+            latest = mlflow_client.search_runs(
+                [tracking.experiment_id],
+                filter_string=f"tags.sweep = '{sweep}' and tags.trial = '{trial}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+            for run in latest:
+                mlflow_client.set_terminated(run.info.run_id, "KILLED")

@@ -431,6 +431,8 @@ def tune(
             TrialLines.shown_on = None
     if tracking is not None:
         failed = {storage.name(r.path) for r in results if r.error is not None}
-        finish_sweep(tracking, storage.name(sweep_dir), failed)
+        # A trial whose last result is not its end was running when the sweep was interrupted.
+        interrupted = {storage.name(r.path) for r in results if r.error is None and not (r.metrics or {}).get("done")}
+        finish_sweep(tracking, storage.name(sweep_dir), failed, interrupted)
     complete_stopped_runs(results, sweep_dir)
     return write_outputs(results, sweep, base, config.run, sweep_dir)
