@@ -98,9 +98,16 @@ def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True)
     return run_group("gloo", world, fn, *args, timeout=timeout, daemon=daemon)
 
 
+HANG_FLOOR_S = 300.0
+
+
 def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
-    on GPU r); return their outcomes in rank order."""
+    on GPU r); return their outcomes in rank order. ``timeout`` bounds a hang (gloo's own is 30
+    minutes); it is never under HANG_FLOOR_S, the wall time a second of work can take in the
+    suite, at nice 10 beside the Ray tests' bursts of process starts on 2 cores (two workers of
+    the torn-down-group test took over 90 s there once)."""
+    timeout = max(timeout, HANG_FLOOR_S)
     ctx = _context()
     port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:

@@ -5,6 +5,9 @@ a training stop), the controller's failure line for a preempted worker, and
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -90,25 +93,33 @@ def test_the_asks_cost_about_one_percent_of_the_step_time_and_come_at_least_ever
     assert asked == [False] * 100 and check.asks == 2  # at the 50th and 100th boundaries
 
 
-def _allreduce_then_destroy(state, bucket):
+def _allreduce_then_destroy(sync_dir: str, bucket):
     """DDP's gradient all-reduce, after which the process group is destroyed, as Ray's teardown
-    of a group does on every worker while the training thread is mid-step."""
+    of a group does on every worker while the training thread is mid-step. Every worker is past
+    the all-reduce before any destroys the group (a file each in ``sync_dir``): a worker still
+    receiving its last part from a peer that closed the connection could wait for gloo's timeout:
+    a race of this test's, not of the step."""
     grads = bucket.buffer()
     dist.all_reduce(grads)
     grads /= dist.get_world_size()
+    Path(sync_dir, f"reduced.{dist.get_rank()}").touch()
+    deadline = time.monotonic() + 60
+    while len(list(Path(sync_dir).glob("reduced.*"))) < dist.get_world_size():
+        assert time.monotonic() < deadline, "a worker never finished the all-reduce"
+        time.sleep(0.01)
     dist.destroy_process_group()
     done = torch.futures.Future()
     done.set_result(grads)
     return done
 
 
-def _torn_down(rank: int, world: int):
+def _torn_down(rank: int, world: int, sync_dir: str):
     model = DDP(fakes.make_model())
     engine = Engine(model, fakes.mean_loss, fakes.config("grad_sync.check=true").engine, total_steps=4)
     x, y = fakes.regression_data(n=8, seed=rank)
     engine.train_step([(x, y)])  # a whole step with every worker
     assert not collectives.torn_down(world)
-    model.register_comm_hook(None, _allreduce_then_destroy)
+    model.register_comm_hook(sync_dir, _allreduce_then_destroy)
     try:
         engine.train_step([(x, y)])
     except GroupBrokenError as err:
@@ -118,10 +129,10 @@ def _torn_down(rank: int, world: int):
     return "no error"
 
 
-def test_a_group_torn_down_mid_step_is_a_group_failure_ray_retries_not_a_training_stop():
+def test_a_group_torn_down_mid_step_is_a_group_failure_ray_retries_not_a_training_stop(tmp_path):
     # Without the check, the step's all-reduce after the teardown is a no-op: each worker's own
     # gradient norm in slot 0 and 0 for the other, a GradSyncError (a stop posted for good).
-    outcomes = run_gloo(2, _torn_down, timeout=90)
+    outcomes = run_gloo(2, _torn_down, str(tmp_path), timeout=90)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     for o in outcomes:
         assert o.value.startswith("GroupBrokenError: the process group of 2 workers was destroyed during step 2")
