@@ -202,8 +202,9 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"raytrain-loops: {stop}", file=sys.stderr)
         print(f"resume it with the same command: {again}", file=sys.stderr)
         return 128 + stop.signum
-    except KeyboardInterrupt:
-        print(f"raytrain-loops: {args.command} interrupted; the same command runs it again: {again}", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a sweep's names the trials the same command resumes
+        said = f"{stop}" if str(stop) else f"{args.command} interrupted"
+        print(f"raytrain-loops: {said}; the same command runs it again: {again}", file=sys.stderr)
         return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
         return _failed(args.command, err, local=config is not None and config.scaling.local)

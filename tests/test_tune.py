@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -137,6 +138,16 @@ def _interrupt_and_rerun(
         time.sleep(0.5)
     first.send_signal(signal.SIGINT)
     interrupted = first.communicate(timeout=300)[0]
+    # Interrupted, not ended: exit 130, the trial left to run named, and no results table or best
+    # recipe of a sweep that has not ended.
+    assert first.returncode == 130, interrupted[-3000:]
+    (said,) = [line for line in interrupted.splitlines() if line.startswith("raytrain-loops: the sweep in ")]
+    assert said.endswith(
+        f"was interrupted; trials not ended: trial_00002; the same command runs it again: "
+        f"{shlex.join(['raytrain-loops', *command[3:]])}"
+    ), said
+    assert not (sweep_dir / "best.yaml").exists() and not (sweep_dir / "results.csv").exists()
+    assert "best: " not in interrupted
     between = _mlflow_runs(store)
     second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]

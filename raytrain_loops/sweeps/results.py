@@ -30,6 +30,23 @@ class SweepResult:
     table: Any  # pandas.DataFrame of all trials
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """A sweep stopped by Ctrl-C (Tune ends it and saves its state): the trials that had not
+    ended, which the same sweep run again resumes. No results table or best recipe is written for
+    a sweep that has not ended."""
+
+    def __init__(self, sweep_dir: str, trials: list[str]):
+        super().__init__(f"the sweep in {sweep_dir} was interrupted; trials not ended: {', '.join(trials)}")
+        self.sweep_dir, self.trials = sweep_dir, trials
+
+
+def unended(results) -> set[str]:
+    """The trials that neither ended their own way, nor were stopped by the scheduler, nor failed:
+    those a Ctrl-C stopped (Tune ends them as a scheduler's stop, but their last result is not
+    marked done)."""
+    return {storage.name(r.path) for r in results if r.error is None and not (r.metrics or {}).get("done")}
+
+
 def complete_stopped_runs(results, sweep_dir: str) -> None:
     """The Train run of a trial's last result, whose trial the scheduler stopped (its actor ended
     before the run could end its own way), made a complete run directory: ``summary.json`` of its

@@ -37,7 +37,13 @@ from raytrain_loops.driver.preflight import planned_steps, prepare
 from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
-from raytrain_loops.sweeps.results import SweepResult, complete_stopped_runs, write_outputs
+from raytrain_loops.sweeps.results import (
+    SweepInterrupted,
+    SweepResult,
+    complete_stopped_runs,
+    unended,
+    write_outputs,
+)
 from raytrain_loops.tasks import Task
 
 DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer
@@ -429,10 +435,11 @@ def tune(
         finally:
             pbt_logger.removeHandler(decisions)
             TrialLines.shown_on = None
+    interrupted = unended(results)
     if tracking is not None:
         failed = {storage.name(r.path) for r in results if r.error is not None}
-        # A trial whose last result is not its end was running when the sweep was interrupted.
-        interrupted = {storage.name(r.path) for r in results if r.error is None and not (r.metrics or {}).get("done")}
         finish_sweep(tracking, storage.name(sweep_dir), failed, interrupted)
+    if interrupted:
+        raise SweepInterrupted(sweep_dir, sorted(interrupted))
     complete_stopped_runs(results, sweep_dir)
     return write_outputs(results, sweep, base, config.run, sweep_dir)
