@@ -245,16 +245,19 @@ def finish_sweep(tracking: Tracking, sweep: str, failed: set[str], interrupted: 
         runs = mlflow_client.search_runs(
             [tracking.experiment_id], filter_string=f"tags.sweep = '{sweep}' and attributes.status = 'RUNNING'"
         )
-        for run in runs:
-            trial = run.data.tags.get("trial", "")
-            if trial not in interrupted:
-                mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")
-        for trial in sorted(interrupted):
-            latest = mlflow_client.search_runs(
+        killed = {
+            run.info.run_id
+            for trial in sorted(interrupted)
+            for run in mlflow_client.search_runs(
                 [tracking.experiment_id],
                 filter_string=f"tags.sweep = '{sweep}' and tags.trial = '{trial}'",
                 order_by=["attributes.start_time DESC"],
                 max_results=1,
             )
-            for run in latest:
-                mlflow_client.set_terminated(run.info.run_id, "KILLED")
+        }
+        for run_id in killed:
+            mlflow_client.set_terminated(run_id, "KILLED")
+        for run in runs:
+            if run.info.run_id not in killed:
+                trial = run.data.tags.get("trial", "")
+                mlflow_client.set_terminated(run.info.run_id, "FAILED" if trial in failed else "FINISHED")

@@ -171,7 +171,6 @@ class Wired:
     position: Position
 
 
-
 def task_engine(
     task: Task,
     model: torch.nn.Module,
@@ -202,6 +201,7 @@ def task_engine(
         ema_module=ema_module,
         split_batch=task.split_batch,
     )
+
 
 def wire(
     payload: WorkerPayload,
@@ -235,7 +235,6 @@ def wire(
 
     source = batches(task, config, payload.splits, payload.rows, rank, world)
     scale = config.scaling.workers / world  # > 1 when an elastic group runs short
-    total = total_steps(config.loop, config.accum, source.batches_per_epoch, scale)
     faults = Faults(config.fault.plan, rank, run_dir)
     engine = task_engine(
         task,
@@ -253,6 +252,6 @@ def wire(
     micro_batches(engine, run_dir, rank, sender)
     if rank == 0:
         announce_start(made, engine, config, world, scale, sender, run_dir)
-    cbs = callbacks(payload, engine, faults, sender, rank, world, total, plain, made.loaded)
+    cbs = callbacks(payload, engine, faults, sender, rank, world, engine.total_steps, plain, made.loaded)
     loop = Loop(engine, source, made, LoopSettings.of(config), task.evaluate, cbs, scale, task.eval_metrics)
     return Wired(engine, loop, made, position)
