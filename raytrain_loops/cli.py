@@ -100,11 +100,15 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     """``plan``: the memory plan printed; a bad recipe, override or data is exit code 2 naming it."""
     from raytrain_loops import recipes
     from raytrain_loops.config import ConfigError, load_config
+
+    try:  # refused before torch is imported, as train's
+        config = load_config(recipes.resolve(args.recipe), args.overrides)
+    except ConfigError as err:
+        return _error(str(err))
     from raytrain_loops.driver.preflight import DataError
     from raytrain_loops.tools.memory_plan import make_plan, render
 
     try:
-        config = load_config(recipes.resolve(args.recipe), args.overrides)
         print(render(make_plan(config, args.recipe)))
     except (ConfigError, DataError) as err:
         return _error(str(err))
@@ -181,13 +185,16 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
     command that resumes the run (128 + the signal), a failed run prints the worker's traceback."""
     from raytrain_loops import recipes
     from raytrain_loops.config import ConfigError, load_config
+
+    again = shlex.join(["raytrain-loops", *argv])
+    try:  # a bad recipe or override is refused before torch and Ray are imported (seconds)
+        config = load_config(recipes.resolve(args.recipe), args.overrides)
+    except ConfigError as err:
+        return _error(str(err))
     from raytrain_loops.driver.fit import RunInterrupted
     from raytrain_loops.driver.preflight import DataError
 
-    again = shlex.join(["raytrain-loops", *argv])
-    config = None
     try:
-        config = load_config(recipes.resolve(args.recipe), args.overrides)
         if args.command == "tune":
             from raytrain_loops.sweeps.tune import tune
 
@@ -207,7 +214,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"raytrain-loops: {said}; the same command runs it again: {again}", file=sys.stderr)
         return 130
     except Exception as err:  # a failed run: the worker's traceback and its root cause, not Ray's wrapping
-        return _failed(args.command, err, local=config is not None and config.scaling.local)
+        return _failed(args.command, err, local=config.scaling.local)
     if args.command == "tune":
         print(f"sweep directory: {swept.sweep_dir}")
         return 0

@@ -34,12 +34,17 @@ def _cli(*args: str, timeout: int = 300, cwd: Path | None = None, cli=CLI, env=N
 SCRIPT = [str(Path(sys.executable).parent / "raytrain-loops")]
 
 
+def _joined(ray_session) -> dict[str, str]:
+    """The environment of a command joined to the session's Ray (``RAY_ADDRESS``, as on a
+    cluster), not starting a local Ray of its own: that start costs seconds."""
+    return {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+
+
 @pytest.mark.ray
 def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, tmp_path):
-    """The run, then ``evaluate`` of one of its checkpoints, both joined to the session's Ray
-    (``RAY_ADDRESS``, as on a cluster), not each on a local Ray of its own: that start costs
-    seconds. A run that starts its own local Ray is the failing run's and the Ctrl-C test's."""
-    joined = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    """The run, then ``evaluate`` of one of its checkpoints, both joined to the session's Ray. A
+    command that starts its own local Ray is the Ctrl-C test's."""
+    joined = _joined(ray_session)
     out = _cli(
         "train",
         "default",
@@ -137,23 +142,17 @@ def _assert_a_clean_console(console: str, run_dir: Path) -> None:
 
 
 @pytest.mark.ray
-def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_path):
-    """Also the user's own task module beside the command (``raytrain-loops``, run from its
-    directory): the driver and the local Ray's workers import it."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "mytask.py").write_text("from raytrain_loops.tasks import DigitsTask\n\n\nclass MyDigits(DigitsTask):\n    pass\n")
+def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(ray_session, tmp_path):
+    """Joined to the session's Ray (a local Ray's start is the Ctrl-C test's)."""
     out = _cli(
         "train",
         "default",
-        "task.name=mytask:MyDigits",
         "loop.max_steps=6",
         "run.max_failures=1",
         "fault.plan=[{step: 2, rank: 1, kind: kill}, {step: 4, kind: raise}]",
         f"run.storage_path={tmp_path}",
         f"data.dir={tmp_path / 'data'}",
-        cwd=code,
-        cli=SCRIPT,
+        env=_joined(ray_session),
     )
     console = out.stdout + out.stderr
     assert out.returncode == 1, console[-3000:]
@@ -172,10 +171,10 @@ def test_a_failing_run_names_each_failure_and_the_error_on_a_clean_console(tmp_p
         "raytrain-loops: train failed: " in out.stderr and "fault.plan[1] after step 4" in out.stderr.splitlines()[-1]
     )
     assert "TrainingReport(" not in console and "(TrainController" not in console
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name not in ("data", "code")]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name != "data"]
     ray_log = (run_dir / "ray.log").read_text()
-    assert "fault.plan[1]" in ray_log and "mytask:MyDigits" in (run_dir / "config.yaml").read_text()
-    assert "Started a local Ray" in ray_log and "Started a local Ray" not in console  # ray.init's own lines
+    assert "fault.plan[1]" in ray_log
+    assert "Connected to Ray cluster" in ray_log and "Connected to Ray cluster" not in console  # ray.init's own lines
     # Ray's whole text of the death after the line: the controller's failed health check with the
     # actor's death cause (the other worker's broken collective, when Ray reports it, may come between).
     after = ray_log[ray_log.index(death) :]
@@ -194,6 +193,16 @@ def test_invalid_config_fails_before_ray_starts_naming_the_key():
     missing = _cli("train", "no_such_recipe")
     assert missing.returncode == 2 and "no_such_recipe: not a built-in recipe (" in missing.stderr
     assert "default" in missing.stderr.split("not a built-in recipe (")[1]
+    # Refused before torch or Ray is imported (2-3 s of a process's start here), by each verb that
+    # takes a recipe.
+    probe = (
+        "import sys; from raytrain_loops import cli; "
+        "codes = [cli.main([*verb, 'default', 'precision.dtype=fp8']) "
+        "for verb in (['train'], ['tune', '--sweep', 'sweep.yaml'], ['plan'])]; "
+        "print(codes, sorted({'torch', 'ray'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[2, 2, 2] []", out.stdout + out.stderr[-2000:]
 
 
 def test_a_storage_path_that_cannot_be_created_is_an_error_naming_the_key_before_ray_starts(tmp_path):
@@ -223,17 +232,30 @@ def _descendants(pid: int) -> set[int]:
 
 @pytest.mark.ray
 def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_resumes_it(tmp_path):
-    """Also checkpoints asked for faster than Ray's controller takes reports (every step): a
+    """The command as a user types it (``raytrain-loops``, run from the directory of the user's
+    own task module), on a local Ray of its own: the driver and that Ray's workers import the
+    module. Also checkpoints asked for faster than Ray's controller takes reports (every step): a
     periodic one is skipped while the one before is in flight, and the console says so once."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mytask.py").write_text(
+        "from raytrain_loops.tasks import DigitsTask\n\n\nclass MyDigits(DigitsTask):\n    pass\n"
+    )
     args = [
         "train",
         "default",
+        "task.name=mytask:MyDigits",
         "checkpoint.every_steps=1",
         f"run.storage_path={tmp_path}",
         f"data.dir={tmp_path / 'data'}",
     ]
     proc = subprocess.Popen(
-        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*SCRIPT, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=code,
     )
     try:
         deadline = time.monotonic() + 240
@@ -249,7 +271,8 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
             os.killpg(proc.pid, signal.SIGKILL)
     ended = time.monotonic() - interrupted
     assert proc.returncode == 130 and ended < 60, (proc.returncode, ended, out[-2000:], err[-3000:])
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("digits-")]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name not in ("data", "code")]
+    assert "mytask:MyDigits" in (run_dir / "config.yaml").read_text()
     assert f"raytrain-loops: the run in {run_dir} was interrupted (SIGINT); its last checkpoint: " in err
     named = Path(err.split("its last checkpoint: ")[1].split()[0])
     assert named.parent == run_dir and (named / "manifest.rank1.json").is_file()
