@@ -9,13 +9,16 @@ order.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import functools
 import os
+import signal
 import socket
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +41,9 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args) -> None:
+    # Where a worker is when the deadline finds it running: every thread's stack, on SIGUSR1.
+    stacks = open(os.path.join(outdir, f"stacks.rank{rank}.txt"), "w")  # noqa: SIM115 - until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -101,6 +107,12 @@ def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True)
 HANG_FLOOR_S = 300.0
 
 
+def _stacks(outdir: str, rank: int) -> str:
+    path = os.path.join(outdir, f"stacks.rank{rank}.txt")
+    text = Path(path).read_text() if os.path.exists(path) else ""
+    return f"worker {rank}'s threads:\n{text or '(none written: not yet in the group)'}\n"
+
+
 def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
     on GPU r); return their outcomes in rank order. ``timeout`` bounds a hang (gloo's own is 30
@@ -121,12 +133,16 @@ def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemo
         for p in procs:
             p.join(max((deadline - datetime.datetime.now()).total_seconds(), 0.1))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        time.sleep(2 if hung else 0)
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
         if hung:
-            raise AssertionError(f"workers {hung} of {world} still running after {timeout}s: a hang")
+            stacks = "".join(_stacks(outdir, r) for r in hung)
+            raise AssertionError(f"workers {hung} of {world} still running after {timeout}s: a hang\n{stacks}")
         outcomes = []
         for r, p in enumerate(procs):
             path = os.path.join(outdir, f"rank{r}.pt")

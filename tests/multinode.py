@@ -231,6 +231,10 @@ def _head_env(root: Path, dashboard: int) -> dict[str, str]:
         "RAY_AUTH_TOKEN_PATH": str(root / "token"),
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        # The nodes' workers at the priority of the suite's own local Ray's (start_local_ray's), not at
+        # Ray's default nice 15: below the tests without Ray (nice 10 in scripts/test.sh), which
+        # still run beside the first multi-node tests.
+        "RAY_worker_niceness": "0",
         # Ray Train's preemption watcher on (the suite's local Ray turns it off), polling every
         # second instead of 5.
         "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",

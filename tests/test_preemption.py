@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -129,6 +130,7 @@ def _torn_down(rank: int, world: int, sync_dir: str):
     return "no error"
 
 
+@pytest.mark.timeout(420)  # above run_gloo's hang bound (300 s), which reports the workers' stacks
 def test_a_group_torn_down_mid_step_is_a_group_failure_ray_retries_not_a_training_stop(tmp_path):
     # Without the check, the step's all-reduce after the teardown is a no-op: each worker's own
     # gradient norm in slot 0 and 0 for the other, a GradSyncError (a stop posted for good).
