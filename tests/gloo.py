@@ -97,28 +97,38 @@ def _context():
     return ctx
 
 
-def run_gloo(world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
+# A group's bound on a hang (gloo's own is 30 minutes): the wall time a second of work can take in
+# the suite, at nice 10 beside the Ray tests' bursts of process starts on 2 cores (two workers of
+# the torn-down-group test took over 90 s there once). A test may ask for more, never for less.
+HANG_FLOOR_S = 300.0
+
+
+def run_gloo(world: int, fn, *args, timeout: float = HANG_FLOOR_S, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` CPU processes; return their outcomes in rank order.
     ``daemon=False`` lets them start processes of their own (DataLoader workers); the deadline
     still kills them."""
     return run_group("gloo", world, fn, *args, timeout=timeout, daemon=daemon)
 
 
-HANG_FLOOR_S = 300.0
+def _await_stacks(outdir: str, ranks: list[int], bound_s: float = 5.0) -> None:
+    """Until each of ``ranks`` has written its stacks (faulthandler, on the SIGUSR1 just sent), at
+    most ``bound_s``: a worker not yet in ``_entry`` writes none."""
+    deadline = time.monotonic() + bound_s
+    paths = [Path(outdir, f"stacks.rank{r}.txt") for r in ranks]
+    while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in paths):
+        time.sleep(0.05)
 
 
 def _stacks(outdir: str, rank: int) -> str:
-    path = os.path.join(outdir, f"stacks.rank{rank}.txt")
-    text = Path(path).read_text() if os.path.exists(path) else ""
+    path = Path(outdir, f"stacks.rank{rank}.txt")
+    text = path.read_text() if path.exists() else ""
     return f"worker {rank}'s threads:\n{text or '(none written: not yet in the group)'}\n"
 
 
-def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemon: bool = True) -> list[WorkerOutcome]:
+def run_group(backend: str, world: int, fn, *args, timeout: float = HANG_FLOOR_S, daemon: bool = True) -> list[WorkerOutcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes joined by ``backend`` (``nccl``: rank r
-    on GPU r); return their outcomes in rank order. ``timeout`` bounds a hang (gloo's own is 30
-    minutes); it is never under HANG_FLOOR_S, the wall time a second of work can take in the
-    suite, at nice 10 beside the Ray tests' bursts of process starts on 2 cores (two workers of
-    the torn-down-group test took over 90 s there once)."""
+    on GPU r); return their outcomes in rank order. ``timeout`` bounds a hang, never under
+    HANG_FLOOR_S; the workers still running then are reported with their threads' stacks."""
     timeout = max(timeout, HANG_FLOOR_S)
     ctx = _context()
     port = _free_port()
@@ -135,7 +145,7 @@ def run_group(backend: str, world: int, fn, *args, timeout: float = 120.0, daemo
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             os.kill(procs[r].pid, signal.SIGUSR1)
-        time.sleep(2 if hung else 0)
+        _await_stacks(outdir, hung)
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -127,7 +127,7 @@ def test_two_workers_with_an_uneven_split_give_the_one_process_figures(kind):
     images = _images(kind)
     expected = _metric(images)
     np.testing.assert_allclose(expected, _cocoeval(images), rtol=0, atol=1e-6)
-    outcomes = run_gloo(2, _map_on_two_workers, kind, timeout=90)
+    outcomes = run_gloo(2, _map_on_two_workers, kind)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
         np.testing.assert_allclose(o.value, expected, rtol=0, atol=1e-6)
@@ -155,7 +155,7 @@ def _same_image_on_both_workers(rank: int, world: int):
 
 
 def test_an_error_on_rank_0_stops_every_worker_instead_of_leaving_them_waiting():
-    outcomes = run_gloo(2, _same_image_on_both_workers, timeout=90)
+    outcomes = run_gloo(2, _same_image_on_both_workers)
     assert [o.error for o in outcomes] == ["ValueError", "RuntimeError"], outcomes
     assert "given for more than one image" in outcomes[0].message
     assert "the box mAP failed on rank 0: ValueError: image ids" in outcomes[1].message

@@ -98,7 +98,7 @@ def _split_metric_on_two_workers(rank: int, world: int):
 
 
 def test_split_level_metrics_cover_every_workers_images_even_a_worker_without_any():
-    outcomes = run_gloo(2, _split_metric_on_two_workers, timeout=90)
+    outcomes = run_gloo(2, _split_metric_on_two_workers)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
         assert o.value["eval_map50"] == pytest.approx((AP0 + 1.0) / 2)

@@ -256,7 +256,7 @@ def _infinite_gradient(rank: int, world: int):
 
 
 def test_an_infinite_gradient_is_traced_to_its_parameter_on_every_worker():
-    outcomes = run_gloo(2, _infinite_gradient, timeout=60)
+    outcomes = run_gloo(2, _infinite_gradient)
     assert [o.error for o in outcomes] == ["NonFiniteError", "NonFiniteError"]
     for o in outcomes:
         assert "first seen in the gradient of parameter 'p'" in o.message

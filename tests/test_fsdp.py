@@ -86,7 +86,7 @@ def _both(rank: int, world: int, dtype: str, overrides: list[str]):
 
 def _run(dtype: str = "fp32", overrides: list[str] | None = None):
     """DDP's and FSDP's results on each of 2 workers (one process group for both: fewer spawns)."""
-    outcomes = run_gloo(2, _both, dtype, overrides or [], timeout=300)
+    outcomes = run_gloo(2, _both, dtype, overrides or [])
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     values = [o.value for o in outcomes]
     return [v["ddp"] for v in values], [v["fsdp"] for v in values]
@@ -164,7 +164,7 @@ def _policies(rank: int, world: int):
 
 
 def test_fsdp_fp16_overflow_in_one_workers_shard_backs_off_every_workers_scale_and_nan_stops_all():
-    outcomes = run_gloo(2, _policies, timeout=240)
+    outcomes = run_gloo(2, _policies)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
         # Worker 0's shard is finite: the scale backs off on it too (DTensor's unscale_ takes the
@@ -209,14 +209,14 @@ def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_pat
     from raytrain_loops.engine.checkpoint import files as ckpt
 
     directory = str(tmp_path / "checkpoint_00000002")
-    first = run_gloo(2, _save_and_go_on, directory, timeout=240)
+    first = run_gloo(2, _save_and_go_on, directory)
     assert [o.error for o in first] == [None, None], first[0].message + first[1].message
     manifests = [ckpt._manifest(tmp_path / "checkpoint_00000002" / f"manifest.rank{r}.json") for r in (0, 1)]
     # Each worker wrote its own shards and lists them with checksums; rank 0 also the metadata.
     assert {n for n in manifests[0]["files"] if n.startswith("dcp/")} == {"dcp/.metadata", "dcp/__0_0.distcp"}
     assert {n for n in manifests[1]["files"] if n.startswith("dcp/")} == {"dcp/__1_0.distcp"}
 
-    again = run_gloo(2, _resume, directory, timeout=240)
+    again = run_gloo(2, _resume, directory)
     assert [o.error for o in again] == [None, None], again[0].message + again[1].message
     for rank in (0, 1):
         for name, ref in first[rank].value["end"].items():
@@ -294,7 +294,7 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
 
 def test_damage_only_one_worker_sees_moves_every_worker_to_the_sharded_checkpoint_before(tmp_path):
     marker = tmp_path / "pwned"
-    outcomes = run_gloo(2, _one_sided_damage, str(tmp_path / "run"), str(marker), timeout=120)
+    outcomes = run_gloo(2, _one_sided_damage, str(tmp_path / "run"), str(marker))
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     assert not marker.exists()
     for o in outcomes:
@@ -334,7 +334,7 @@ def _transient_failure_in_the_collective_load(rank: int, world: int, run: str):
 
 
 def test_an_io_error_inside_a_sharded_load_stops_every_worker_instead_of_taking_an_older_checkpoint(tmp_path):
-    outcomes = run_gloo(2, _transient_failure_in_the_collective_load, str(tmp_path / "run"), timeout=120)
+    outcomes = run_gloo(2, _transient_failure_in_the_collective_load, str(tmp_path / "run"))
     # DCP gathers every worker's failure: each worker raises rank 1's I/O error (the group
     # restarts from this checkpoint), none moves on to the one before.
     for o in outcomes:
@@ -359,7 +359,7 @@ def _write_where_one_worker_cannot(rank: int, world: int, root: str):
 
 
 def test_a_sharded_write_that_fails_on_one_worker_is_an_error_on_every_worker(tmp_path):
-    outcomes = run_gloo(2, _write_where_one_worker_cannot, str(tmp_path), timeout=120)
+    outcomes = run_gloo(2, _write_where_one_worker_cannot, str(tmp_path))
     # DCP's CheckpointException (a BaseException) comes out as the worker's cause, an Exception
     # that the reporter's callers handle like any other failed write.
     for o in outcomes:
@@ -391,7 +391,7 @@ def _ddp_then_fsdp(rank: int, world: int, run: str):
 
 
 def test_a_ddp_run_goes_on_under_fsdp_from_its_plain_checkpoint_with_the_same_updates(tmp_path):
-    outcomes = run_gloo(2, _ddp_then_fsdp, str(tmp_path / "run"), timeout=240)
+    outcomes = run_gloo(2, _ddp_then_fsdp, str(tmp_path / "run"))
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
         assert o.value["position"] == (0, 2) and o.value["loaded"].endswith("checkpoint_00000002")
@@ -599,7 +599,7 @@ def _oom_on_rank0(rank: int, world: int):
 
 
 def test_fsdp_oom_on_one_worker_ends_every_worker_as_a_retryable_failure():
-    outcomes = run_gloo(2, _oom_on_rank0, timeout=240)
+    outcomes = run_gloo(2, _oom_on_rank0)
     # The other worker is inside this micro-batch's all-gathers: no zero-weight pass can rejoin
     # them in order, so the group restarts from its checkpoint (not a TrainingError: Ray retries).
     assert outcomes[0].error == "GroupBrokenError", outcomes[0].message
@@ -701,7 +701,7 @@ def test_a_tied_embedding_and_head_stay_one_matrix_under_fsdp_and_through_a_shar
 
     batches = _tied_batches()
     directory = str(tmp_path / "checkpoint_00000002")
-    outcomes = run_gloo(2, _tied_fsdp, directory, batches, timeout=240)
+    outcomes = run_gloo(2, _tied_fsdp, directory, batches)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     # The same two updates in one process, the two batches as two micro-batches (sum normalisation).
     plain = _tied_engine(sharded=False)

@@ -241,7 +241,7 @@ def _hf_updates(rank: int, world: int, configs: list[dict]) -> dict:
 def test_gpt2_and_llama_configs_train_alike_under_fsdp2_on_their_found_blocks_and_under_ddp():
     from tests.gloo import run_gloo
 
-    outcomes = run_gloo(2, _hf_updates, [TINY_GPT2, TINY_LLAMA], timeout=300)
+    outcomes = run_gloo(2, _hf_updates, [TINY_GPT2, TINY_LLAMA])
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for name in ("gpt2", "llama"):
         ddp, fsdp = outcomes[0].value[name]["ddp"], outcomes[1].value[name]["fsdp"]

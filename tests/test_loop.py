@@ -237,7 +237,7 @@ def _uneven(rank: int, world: int):
 
 
 def test_workers_with_uneven_data_make_the_same_reports_and_end_with_the_same_weights():
-    outcomes = run_gloo(2, _uneven, timeout=90)
+    outcomes = run_gloo(2, _uneven)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     a, b = (o.value for o in outcomes)
     assert a["reports"] == b["reports"] and len(a["reports"]) == 7
@@ -322,7 +322,7 @@ def _untimed(records):
 
 
 def test_epoch_averages_over_two_workers_continue_across_a_mid_epoch_resume():
-    outcomes = run_gloo(2, _epoch_averages, timeout=180)
+    outcomes = run_gloo(2, _epoch_averages)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     a, b = (o.value for o in outcomes)
     assert _untimed(a["straight"]) == _untimed(b["straight"])  # the same records on every worker

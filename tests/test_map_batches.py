@@ -96,7 +96,7 @@ def _straight_and_resumed(rank: int, world: int):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_run_resumed_mid_epoch_ends_with_the_same_weights_having_seen_each_row_once(world):
-    outcomes = run_gloo(world, _straight_and_resumed, timeout=180, daemon=False)
+    outcomes = run_gloo(world, _straight_and_resumed, daemon=False)
     assert [o.error for o in outcomes] == [None] * world, [o.message for o in outcomes]
     per_worker_batches = batches_per_epoch(ROWS, world, 4, padded=True)
     for rank, outcome in enumerate(outcomes):

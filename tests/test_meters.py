@@ -128,7 +128,7 @@ def _epoch_sums(rank: int, world: int):
 
 
 def test_epoch_averages_over_two_workers_with_unequal_weights_match_a_hand_computation():
-    outcomes = run_gloo(2, _epoch_sums, timeout=120)
+    outcomes = run_gloo(2, _epoch_sums)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     a, b = (o.value for o in outcomes)
     # rank 0: 1 (w 1), 3 (w 1), 2 (w 3); rank 1: 10 (w 2), 6 (w 1), 0 (w 4)

@@ -83,7 +83,7 @@ def _cases(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp_cases():
-    outcomes = run_gloo(2, _cases, timeout=240)
+    outcomes = run_gloo(2, _cases)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     print("seconds in the workers:", [round(o.seconds, 1) for o in outcomes])
     return [o.value for o in outcomes]
@@ -152,7 +152,7 @@ def _fsdp_restarted(rank: int, world: int, run_dir: str) -> tuple[dict, dict]:
 
 def test_under_fsdp_an_oom_restarts_the_group_which_starts_from_the_halved_micro_batch(tmp_path):
     run_dir = str(tmp_path)
-    broken = run_gloo(2, _fsdp_breaks, run_dir, timeout=240)
+    broken = run_gloo(2, _fsdp_breaks, run_dir)
     # Under FSDP the other worker is inside the parameter all-gathers: the group restarts, as
     # without auto; the failing worker recorded the halved size before it raised.
     assert broken[0].error == "GroupBrokenError" and "under FSDP" in broken[0].message, broken[0].message
@@ -160,7 +160,7 @@ def test_under_fsdp_an_oom_restarts_the_group_which_starts_from_the_halved_micro
     record = json.loads((tmp_path / MICRO_BATCH_FILE).read_text())
     assert (record["splits"], record["old"], record["new"], record["worker"], record["step"]) == (2, 8, 4, 0, 2)
     assert record["restart"] is True
-    again = run_gloo(2, _fsdp_restarted, run_dir, timeout=240)
+    again = run_gloo(2, _fsdp_restarted, run_dir)
     assert [o.error for o in again] == [None, None], [o.message for o in again]
     for worker in again:
         auto, smaller = worker.value
@@ -188,7 +188,7 @@ def _ddp_breaks(rank: int, world: int, run_dir: str) -> None:
 
 
 def test_an_oom_that_breaks_ddps_all_reduce_records_the_halved_size_before_the_group_restarts(tmp_path):
-    broken = run_gloo(2, _ddp_breaks, str(tmp_path), timeout=240)
+    broken = run_gloo(2, _ddp_breaks, str(tmp_path))
     assert broken[1].error == "GroupBrokenError" and "synchronising micro-batch" in broken[1].message
     record = json.loads((tmp_path / MICRO_BATCH_FILE).read_text())
     assert (record["splits"], record["old"], record["new"], record["worker"], record["step"]) == (2, 8, 4, 1, 3)

@@ -67,7 +67,7 @@ def _noticed(rank: int, world: int):
 
 
 def test_a_notice_is_a_checkpoint_at_the_step_it_arrives_on_every_worker_once_and_rank_0_says_so():
-    outcomes = run_gloo(2, _noticed, timeout=90)
+    outcomes = run_gloo(2, _noticed)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     a, b = (o.value for o in outcomes)
     # 7 batches of 2 micro-batches: 3 steps an epoch, 9 in all; periodic checkpoints at 4 and 8.
@@ -134,7 +134,7 @@ def _torn_down(rank: int, world: int, sync_dir: str):
 def test_a_group_torn_down_mid_step_is_a_group_failure_ray_retries_not_a_training_stop(tmp_path):
     # Without the check, the step's all-reduce after the teardown is a no-op: each worker's own
     # gradient norm in slot 0 and 0 for the other, a GradSyncError (a stop posted for good).
-    outcomes = run_gloo(2, _torn_down, str(tmp_path), timeout=90)
+    outcomes = run_gloo(2, _torn_down, str(tmp_path))
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     for o in outcomes:
         assert o.value.startswith("GroupBrokenError: the process group of 2 workers was destroyed during step 2")

@@ -120,7 +120,7 @@ def test_an_epoch_continued_by_two_gloo_workers_and_finished_locally_trains_ever
     # Two workers, as a Ray group of two would get the run (prepared once, here).
     two = load_config({**config, "scaling": {"num_workers": 2}, "fault": {"plan": []}})
     payload = WorkerPayload(two, *prepare(two, None), str(run_dir), stops=None)
-    outcomes = run_gloo(2, _group, payload, timeout=300)
+    outcomes = run_gloo(2, _group, payload)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     # The loop's position: the steps left in the epoch are the two-worker part's (10 of 21).
     assert [o.value for o in outcomes] == [{"start": CUT, "position": (0, 11), "step": STOP}] * 2

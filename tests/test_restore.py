@@ -170,7 +170,7 @@ def _restore_with_failing_reads(rank: int, world: int, run: str, failing_rank: i
 def test_a_worker_that_cannot_read_the_newest_checkpoint_does_not_take_an_older_one(tmp_path):
     _write_checkpoint(tmp_path, 6, world=2)
     _write_checkpoint(tmp_path, 12, world=2)
-    outcomes = run_gloo(2, _restore_with_failing_reads, str(tmp_path), 1, timeout=90)
+    outcomes = run_gloo(2, _restore_with_failing_reads, str(tmp_path), 1)
     assert outcomes[1].error == "OSError" and "Input/output error" in outcomes[1].message
     assert outcomes[0].error == "RestoreMismatch"
     assert re.search(
@@ -187,7 +187,7 @@ def test_a_worker_whose_listing_lags_restores_the_newest_checkpoint_with_the_oth
     old, new = _write_checkpoint(tmp_path, 6, world=2), _write_checkpoint(tmp_path, 12, world=2, seed=1)
     # Rank 1's listing of the store lags behind (an eventually consistent object store): the
     # workers go through every worker's candidates together, and rank 1 reads the newest too.
-    outcomes = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(old)]], timeout=90)
+    outcomes = run_gloo(2, _restore_from_listing, [[str(new), str(old)], [str(old)]])
     assert [(o.error, o.value) for o in outcomes] == [(None, 12), (None, 12)], outcomes[0].message
 
 
@@ -200,7 +200,7 @@ def _agree(rank: int, world: int, loaded: list[dict]) -> None:
 def test_workers_that_restore_different_weights_stop_naming_them():
     # The same checkpoint read as different weights (a store that served two versions of it).
     loaded = [{"checkpoint": "/r/checkpoint_00000012", "model_sha256": d} for d in ("aa", "bb")]
-    outcomes = run_gloo(2, _agree, loaded, timeout=90)
+    outcomes = run_gloo(2, _agree, loaded)
     for o in outcomes:
         assert o.error == "RestoreMismatch", o.message
         assert "worker 0: ('checkpoint_00000012', 12, 'aa'); worker 1: ('checkpoint_00000012', 12, 'bb')" in o.message

@@ -198,7 +198,7 @@ def _grouped_straight_and_resumed(rank: int, world: int):
 
 
 def test_a_grouped_run_resumed_mid_epoch_ends_with_the_same_weights_having_seen_each_row_at_most_once():
-    outcomes = run_gloo(2, _grouped_straight_and_resumed, timeout=180)
+    outcomes = run_gloo(2, _grouped_straight_and_resumed)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     for rank, o in enumerate(outcomes):
         r = o.value
@@ -271,7 +271,7 @@ def test_a_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_sch
     seamseg's, end to end in local mode and its length on two workers: tests/test_seamseg.py)."""
     import json
 
-    outcomes = run_gloo(2, _quadrant_run, str(tmp_path), timeout=180)
+    outcomes = run_gloo(2, _quadrant_run, str(tmp_path))
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     # Quadrants of 66, 69, 79 and 86 rows: 4 + 4 + 4 + 5 = 17 batches of 16, 8 per worker (a
     # DistributedSampler's share would be 150 rows, 9 batches).

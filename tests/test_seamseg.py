@@ -225,7 +225,7 @@ def test_eval_miou_is_torchmetrics_macro_mean_iou_over_both_workers(split):
     expected = EXPECTED[split]
     reference = MulticlassJaccardIndex(4, average="macro")(*_valid_pixels(truth, pred))
     assert float(reference) == pytest.approx(np.nanmean(expected), abs=1e-6)
-    outcomes = run_gloo(2, _miou_on_two_workers, truth, pred, timeout=180)
+    outcomes = run_gloo(2, _miou_on_two_workers, truth, pred)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     for o in outcomes:
         assert o.value["eval_miou"] == pytest.approx(float(reference), abs=1e-6)

@@ -86,7 +86,7 @@ def _two_workers_with_uneven_boxes(rank: int, world: int, boxes: list[torch.Tens
 def test_counts_terms_and_stats_over_two_workers_with_uneven_boxes_and_a_none_micro_batch():
     boxes = _boxes()
     w0 = torch.tensor([[0.3, -0.2, 0.5]])
-    outcomes = run_gloo(2, _two_workers_with_uneven_boxes, boxes, w0, timeout=90)
+    outcomes = run_gloo(2, _two_workers_with_uneven_boxes, boxes, w0)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     every = torch.cat(boxes)
     n = len(every)  # 6 boxes over both workers
@@ -127,7 +127,7 @@ def _without_counts(rank: int, world: int):
 
 
 def test_a_task_without_counts_adds_no_all_reduce_to_the_step():
-    outcomes = run_gloo(2, _without_counts, timeout=90)
+    outcomes = run_gloo(2, _without_counts)
     assert [o.value for o in outcomes] == [1, 1], outcomes[0].message
 
 
@@ -198,7 +198,7 @@ def _dino_centre(rank: int, world: int):
 
 
 def test_the_dino_centre_is_the_mean_over_every_workers_micro_batches():
-    outcomes = run_gloo(2, _dino_centre, timeout=120)
+    outcomes = run_gloo(2, _dino_centre)
     assert [o.error for o in outcomes] == [None, None], outcomes[0].message + outcomes[1].message
     sums = outcomes[0].value[2] + outcomes[1].value[2]
     assert sums[-1] == 2 * (4 + 6 + 4)  # two global views per image of the three real micro-batches

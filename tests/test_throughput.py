@@ -98,7 +98,7 @@ def _both(rank: int, world: int, overrides: tuple[str, ...]):
 
 
 def test_throughput_flops_and_memory_over_two_workers_leave_the_weights_and_rng_alone():
-    outcomes = run_gloo(2, _both, ("accum.steps=1",), timeout=180)
+    outcomes = run_gloo(2, _both, ("accum.steps=1",))
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     for outcome in outcomes:
         measured, plain = outcome.value
@@ -223,7 +223,7 @@ def _sharded(rank: int, world: int):
 
 
 def test_a_sharded_model_is_counted_whole_and_gives_mfu():
-    outcomes = run_gloo(2, _sharded, timeout=180)
+    outcomes = run_gloo(2, _sharded)
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
     first, second = (o.value for o in outcomes)
     assert first == second
