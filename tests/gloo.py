@@ -13,7 +13,6 @@ import faulthandler
 import functools
 import os
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -34,21 +33,25 @@ class WorkerOutcome:
     seconds: float = 0.0  # in ``fn``, after the group was joined: process start-up is left out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, outdir: str, backend: str, fn, args) -> None:
+def _entry(rank: int, world: int, outdir: str, backend: str, fn, args) -> None:
     # Where a worker is when the deadline finds it running: every thread's stack, on SIGUSR1.
     stacks = open(os.path.join(outdir, f"stacks.rank{rank}.txt"), "w")  # noqa: SIM115 - until the process ends
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    # The group meets through a file in its own directory, not a TCP store on a port picked free
+    # beforehand: in the suite, Ray's processes bind ports of their own all the time, and a port
+    # one of them took in between leaves the other workers' store clients handshaking with a
+    # server that never answers, a wait no timeout bounds. gloo's own connections bind theirs.
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{os.path.join(outdir, 'store')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
     start = time.perf_counter()
     try:
         outcome = WorkerOutcome(value=fn(rank, world, *args))
@@ -131,10 +134,9 @@ def run_group(backend: str, world: int, fn, *args, timeout: float = HANG_FLOOR_S
     HANG_FLOOR_S; the workers still running then are reported with their threads' stacks."""
     timeout = max(timeout, HANG_FLOOR_S)
     ctx = _context()
-    port = _free_port()
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
-            ctx.Process(target=_entry, args=(r, world, port, outdir, backend, fn, args), daemon=daemon)
+            ctx.Process(target=_entry, args=(r, world, outdir, backend, fn, args), daemon=daemon)
             for r in range(world)
         ]
         for p in procs:
