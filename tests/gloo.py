@@ -101,8 +101,8 @@ def _context():
 
 
 # A group's bound on a hang (gloo's own is 30 minutes): the wall time a second of work can take in
-# the suite, at nice 10 beside the Ray tests' bursts of process starts on 2 cores (two workers of
-# the torn-down-group test took over 90 s there once). A test may ask for more, never for less.
+# the suite, at nice 19 beside the Ray tests' bursts of process starts on 2 cores (two workers of
+# the torn-down-group test took over 90 s there once, at nice 10). A test may ask for more, never for less.
 HANG_FLOOR_S = 300.0
 
 

@@ -232,8 +232,8 @@ def _head_env(root: Path, dashboard: int) -> dict[str, str]:
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
         # The nodes' workers at the priority of the suite's own local Ray's (start_local_ray's), not at
-        # Ray's default nice 15: below the tests without Ray (nice 10 in scripts/test.sh), which
-        # still run beside the first multi-node tests.
+        # Ray's default nice 15: near the tests without Ray (nice 19 in scripts/test.sh), which still
+        # run beside the first multi-node tests (at nice 10 they ran below those tests).
         "RAY_worker_niceness": "0",
         # Ray Train's preemption watcher on (the suite's local Ray turns it off), polling every
         # second instead of 5.
