@@ -1,10 +1,11 @@
-"""The same run, anywhere: a local run continues on Ray from its checkpoint and a Ray run continues
-locally, each ending with the weights of an uninterrupted run at the same world size (one
-worker), and a one-worker Ray run trains on the local run's batches, batch for batch, on a
+"""The same run, anywhere: a local run continues on Ray from its checkpoint and that Ray run
+continues locally, ending with the weights of an uninterrupted run at the same world size (one
+worker); the one-worker Ray attempt trains on the local run's batches, batch for batch, on a
 Parquet split whose rows are preprocessed (in Ray tasks on Ray, in the process locally)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ from tests.recording import counted_batches
 
 pytestmark = pytest.mark.ray
 
-# 1347 rows / 32 per batch: 42 steps an epoch on one worker; 2 epochs, interrupted after step 63
-# (mid epoch 1, just checkpointed) by an exception the fault plan raises once.
-STEPS, CUT = 84, 63
+# 1347 rows / 32 per batch: 42 steps an epoch on one worker; 2 epochs, checkpoints every 21 steps.
+# Interrupted after step 22 and after step 64 by exceptions the fault plan raises once each (a fault
+# fires before its step's report): local to 22, on Ray from the checkpoint at 21 (mid epoch 0) to 64,
+# across the epoch's end and an evaluation, then local again from the checkpoint at 63 (mid epoch 1).
+STEPS, CUTS = 84, (22, 64)
 
 
 def _config(tmp_path: Path, name: str, workers: int, interrupted: bool = True) -> dict:
@@ -41,7 +44,7 @@ def _config(tmp_path: Path, name: str, workers: int, interrupted: bool = True) -
             "report_every_steps": 21,
             "coalesce_reports": False,  # the checkpoint at the cut, however slowly Ray takes reports
         },
-        "fault": {"plan": [{"step": CUT, "kind": "raise"}] if interrupted else []},
+        "fault": {"plan": [{"step": cut, "kind": "raise"} for cut in CUTS] if interrupted else []},
     }
 
 
@@ -53,26 +56,30 @@ def _batches(tmp_path: Path, name: str) -> dict:
     return counted_batches(tmp_path / "records" / name)
 
 
-def test_a_local_run_continues_on_ray_and_a_ray_run_locally_with_an_uninterrupted_runs_weights(ray_session, tmp_path):
+def test_a_local_run_continues_on_ray_and_the_ray_run_locally_with_an_uninterrupted_runs_weights(ray_session, tmp_path):
     reference = fit(_config(tmp_path, "whole", 0, interrupted=False))
     assert reference.metrics["step"] == STEPS
 
-    with pytest.raises(RuntimeError, match=rf"fault\.plan\[0\] after step {CUT}"):
-        fit(_config(tmp_path, "local-then-ray", 0))  # raised here, in this process
-    on_ray = fit(_config(tmp_path, "local-then-ray", 1))
-    with pytest.raises(Exception, match=rf"fault\.plan\[0\] after step {CUT}"):
-        fit(_config(tmp_path, "ray-then-local", 1))
-    local = fit(_config(tmp_path, "ray-then-local", 0))
+    run_dir = tmp_path / "runs" / "anywhere"
 
-    # Batch for batch: the rows of every step, local and on Ray, in either order of the two.
+    def restored() -> str:
+        return Path(json.loads((run_dir / "init.json").read_text())["checkpoint"]).name
+
+    with pytest.raises(RuntimeError, match=rf"fault\.plan\[0\] after step {CUTS[0]}"):
+        fit(_config(tmp_path, "anywhere", 0))  # raised here, in this process
+    with pytest.raises(Exception, match=rf"fault\.plan\[1\] after step {CUTS[1]}"):
+        fit(_config(tmp_path, "anywhere", 1))
+    assert restored() == "checkpoint_00000021"  # on Ray, from the local run's checkpoint
+    result = fit(_config(tmp_path, "anywhere", 0))
+    assert restored() == "checkpoint_00000063"  # locally, from the Ray attempt's
+
+    # Batch for batch: the rows of every step, local, on Ray and local again.
     expected = _batches(tmp_path, "whole")
     assert len(expected) == STEPS and {k[1] for k in expected} == set(range(1, STEPS + 1))
-    assert _batches(tmp_path, "local-then-ray") == expected
-    assert _batches(tmp_path, "ray-then-local") == expected
+    assert _batches(tmp_path, "anywhere") == expected
     whole = _weights(reference)
-    for result in (on_ray, local):
-        assert result.metrics["step"] == STEPS
-        got = _weights(result)
-        assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole), result.run_dir
+    assert result.metrics["step"] == STEPS
+    got = _weights(result)
+    assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole), result.run_dir
     # The evaluations agree too (on the eval split, preprocessed without augmentation).
-    assert on_ray.metrics["eval_loss"] == local.metrics["eval_loss"] == reference.metrics["eval_loss"]
+    assert result.metrics["eval_loss"] == reference.metrics["eval_loss"]
