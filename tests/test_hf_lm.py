@@ -285,10 +285,13 @@ def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_
 
     whole = fit(_config(tmp_path, "whole", model=TINY_LLAMA, text=corpus))
     cut = _config(tmp_path, "cut", model=TINY_LLAMA, text=corpus)
-    cut["fault"] = {"plan": [{"step": 30, "kind": "raise"}]}  # mid-epoch, just checkpointed
-    with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 30"):
+    # A fault fires before its step's report: after step 31, the checkpoint at 30 (mid-epoch) is the last.
+    cut["fault"] = {"plan": [{"step": 31, "kind": "raise"}]}
+    with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 31"):
         fit(cut)
     resumed = fit(cut)
+    restored = json.loads((Path(resumed.run_dir) / "init.json").read_text())["checkpoint"]
+    assert Path(restored).name == "checkpoint_00000030"
     assert resumed.metrics["step"] == whole.metrics["step"] == 60
     a, b = (ckpt.read_file(r.checkpoint, ckpt.STATE)["model"] for r in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
