@@ -73,6 +73,12 @@ class PreprocessedDigits(RecordingDigits):
         return {**out, "pre_pid": np.full(len(images), os.getpid())}
 
 
+def restored(run_dir: str | Path) -> dict:
+    """What the run's latest start restored, as rank 0 recorded it (``init.json``): the checkpoint,
+    the ones skipped and why, the world that wrote it."""
+    return json.loads(Path(run_dir, "init.json").read_text())
+
+
 def counted_batches(record_dir: Path) -> dict[tuple[int, int, int], dict]:
     """(rank, step, micro) -> the last record of it: what the run's final trajectory used."""
     out = {}

@@ -17,7 +17,7 @@ from raytrain_loops.driver.tracking import RUN_ID_FILE
 from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.errors import TrainingStopped
 from raytrain_loops.recipes import resolve
-from tests.recording import batch_processes, counted_batches
+from tests.recording import batch_processes, counted_batches, restored
 from tests.runfiles import records, tb_scalars
 
 pytestmark = pytest.mark.ray
@@ -105,8 +105,8 @@ def test_killed_and_crashed_workers_resume_to_the_same_weights_seeing_each_sampl
     assert faulty.metrics["step"] == clean.metrics["step"] == 36
     # The last restart resumed mid-epoch (epoch 2, batch 8) from the newest checkpoint, 24, which
     # Ray may not have registered yet: reports are asynchronous, the files were complete.
-    restored = json.loads((Path(faulty.run_dir) / "init.json").read_text())
-    assert Path(restored["checkpoint"]).name == "checkpoint_00000024" and restored["skipped"] == []
+    loaded = restored(faulty.run_dir)
+    assert Path(loaded["checkpoint"]).name == "checkpoint_00000024" and loaded["skipped"] == []
 
     # Bit for bit: weights, optimizer moments, EMA, counters, the epoch's partial sums. Not the
     # progress line's smoothing: its logging intervals start again with each attempt, so after a
@@ -193,10 +193,10 @@ def _a_damaged_newest_checkpoint_falls_back_and_a_loss_spike_stops_without_a_ret
         TrainingStopped, match=r"LossSpikeError at step 40: loss spike at step 40: .* is \d+\.\dx the mean"
     ):
         fit(resolve("default"), overrides=[*overrides, "loop.max_steps=42", "run.max_failures=3"])
-    restored = json.loads((run / "init.json").read_text())
-    assert restored["checkpoint"].endswith("checkpoint_00000030")
-    assert [s["checkpoint"].rsplit("/", 1)[-1] for s in restored["skipped"]] == ["checkpoint_00000036"]
-    assert "differs from the manifest (damaged)" in restored["skipped"][0]["reason"]
+    loaded = restored(run)
+    assert loaded["checkpoint"].endswith("checkpoint_00000030")
+    assert [s["checkpoint"].rsplit("/", 1)[-1] for s in loaded["skipped"]] == ["checkpoint_00000036"]
+    assert "differs from the manifest (damaged)" in loaded["skipped"][0]["reason"]
     # 31-36 redone from the intact checkpoint, in one attempt up to the spike (a retry would run
     # steps again); the log holds them in place of the first run's.
     ran = [r["step"] for r in records(record / "ids.rank0.jsonl") if r["micro"] == 0]

@@ -17,6 +17,7 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed.sharding import shard
 from tests import fakes
 from tests.gloo import run_gloo
+from tests.recording import restored
 
 STEPS = 4
 # Two micro-batches per update of uneven sizes, different on each worker: sum normalisation must
@@ -477,7 +478,7 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     # The same run goes on in one process (local mode, no second Ray run): the two workers' shards
     # gathered into one whole model (resharding under FSDP at another world: the gloo tests above).
     fit(resolve("lm"), overrides=[*overrides, f"loop.max_steps={steps + 2}", "scaling.num_workers=0"])
-    init = json.loads((run_dir / "init.json").read_text())
+    init = restored(run_dir)
     assert init["checkpoint"].endswith(final.name) and init["world_size"] == 2
     assert ckpt.verify(run_dir / f"checkpoint_{steps + 2:08d}") == 1
 

@@ -20,6 +20,7 @@ import yaml
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.parquet import ROW_SEED
+from tests.recording import restored
 from tests.test_store_s3 import s3_root, s3_server  # noqa: F401  (a real S3 API: moto's server)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,8 +291,7 @@ def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_
     with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 31"):
         fit(cut)
     resumed = fit(cut)
-    restored = json.loads((Path(resumed.run_dir) / "init.json").read_text())["checkpoint"]
-    assert Path(restored).name == "checkpoint_00000030"
+    assert Path(restored(resumed.run_dir)["checkpoint"]).name == "checkpoint_00000030"
     assert resumed.metrics["step"] == whole.metrics["step"] == 60
     a, b = (ckpt.read_file(r.checkpoint, ckpt.STATE)["model"] for r in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

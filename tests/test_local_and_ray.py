@@ -13,7 +13,7 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.engine.checkpoint import files as ckpt
-from tests.recording import counted_batches
+from tests.recording import counted_batches, restored
 
 pytestmark = pytest.mark.ray
 
@@ -62,16 +62,13 @@ def test_a_local_run_continues_on_ray_and_the_ray_run_locally_with_an_uninterrup
 
     run_dir = tmp_path / "runs" / "anywhere"
 
-    def restored() -> str:
-        return Path(json.loads((run_dir / "init.json").read_text())["checkpoint"]).name
-
     with pytest.raises(RuntimeError, match=rf"fault\.plan\[0\] after step {CUTS[0]}"):
         fit(_config(tmp_path, "anywhere", 0))  # raised here, in this process
     with pytest.raises(Exception, match=rf"fault\.plan\[1\] after step {CUTS[1]}"):
         fit(_config(tmp_path, "anywhere", 1))
-    assert restored() == "checkpoint_00000021"  # on Ray, from the local run's checkpoint
+    assert Path(restored(run_dir)["checkpoint"]).name == "checkpoint_00000021"  # on Ray, from the local run's checkpoint
     result = fit(_config(tmp_path, "anywhere", 0))
-    assert restored() == "checkpoint_00000063"  # locally, from the Ray attempt's
+    assert Path(restored(run_dir)["checkpoint"]).name == "checkpoint_00000063"  # locally, from the Ray attempt's
 
     # Batch for batch: the rows of every step, local, on Ray and local again.
     expected = _batches(tmp_path, "whole")
