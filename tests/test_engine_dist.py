@@ -195,6 +195,7 @@ def _ended_together(*args) -> tuple[list, float]:
     return outcomes, max(o.seconds for o in outcomes)
 
 
+@pytest.mark.deadline
 def test_oom_with_policy_raise_on_one_worker_raises_on_both():
     outcomes, seconds = _ended_together("before_forward", (1,), 2, "raise")
     assert [o.error for o in outcomes] == ["OOMError", "OOMError"], [o.message for o in outcomes]
@@ -202,6 +203,7 @@ def test_oom_with_policy_raise_on_one_worker_raises_on_both():
     assert seconds < 20
 
 
+@pytest.mark.deadline
 def test_oom_on_the_first_step_with_one_micro_batch_is_skipped_on_both():
     # Step 0 after a (re)start, one micro-batch per update: the failed batch itself joins the
     # gradient all-reduce at zero weight.
@@ -214,6 +216,7 @@ def test_oom_on_the_first_step_with_one_micro_batch_is_skipped_on_both():
     assert seconds < 20
 
 
+@pytest.mark.deadline
 def test_oom_in_the_synchronising_backward_ends_every_worker_as_a_retryable_failure():
     outcomes, seconds = _ended_together("in_backward", (1,), 2)
     # Not a TrainingError (which would stop the run without a retry): Ray restarts the group.

@@ -293,6 +293,7 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
     return {"position": position, "loaded": loaded, "model": model, "at_first": at_first, "seconds": seconds}
 
 
+@pytest.mark.deadline
 def test_damage_only_one_worker_sees_moves_every_worker_to_the_sharded_checkpoint_before(tmp_path):
     marker = tmp_path / "pwned"
     outcomes = run_gloo(2, _one_sided_damage, str(tmp_path / "run"), str(marker))
@@ -599,6 +600,7 @@ def _oom_on_rank0(rank: int, world: int):
         engine.train_step(_batches(rank, step))
 
 
+@pytest.mark.deadline
 def test_fsdp_oom_on_one_worker_ends_every_worker_as_a_retryable_failure():
     outcomes = run_gloo(2, _oom_on_rank0)
     # The other worker is inside this micro-batch's all-gathers: no zero-weight pass can rejoin

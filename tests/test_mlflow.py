@@ -37,6 +37,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.deadline
 @pytest.mark.parametrize("uri", ["nosuchstore://somewhere", "http://127.0.0.1:{port}"])
 def test_an_unusable_tracking_uri_is_an_error_naming_the_key_before_ray_starts(tmp_path, monkeypatch, uri):
     def no_ray(*args, **kwargs):
@@ -140,6 +141,7 @@ def _timed(call, limit: float):
     return time.monotonic() - started, box["result"]
 
 
+@pytest.mark.deadline
 def test_a_tracking_server_that_stops_answering_holds_up_no_evaluation_checkpoint_or_end(
     tracking_server, tmp_path, capsys
 ):
@@ -182,6 +184,7 @@ def test_a_tracking_server_that_stops_answering_holds_up_no_evaluation_checkpoin
     )
 
 
+@pytest.mark.deadline
 def test_the_drivers_requests_to_a_tracking_server_that_stops_answering_end_in_seconds(
     tracking_server, tmp_path, capsys, monkeypatch
 ):
