@@ -31,20 +31,24 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def _closed_port() -> int:
+@pytest.fixture
+def closed_port():
+    """A port that refuses connections, which no other process can take while the test runs: a
+    socket bound to it that never listens (a port bound and released could be bound again by one
+    of Ray's processes in between)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
 
 
 @pytest.mark.deadline
 @pytest.mark.parametrize("uri", ["nosuchstore://somewhere", "http://127.0.0.1:{port}"])
-def test_an_unusable_tracking_uri_is_an_error_naming_the_key_before_ray_starts(tmp_path, monkeypatch, uri):
+def test_an_unusable_tracking_uri_is_an_error_naming_the_key_before_ray_starts(tmp_path, monkeypatch, closed_port, uri):
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(fit_module, "ensure_ray", no_ray)
-    uri = uri.format(port=_closed_port())
+    uri = uri.format(port=closed_port)
     started = time.monotonic()
     with pytest.raises(ConfigError) as info:
         fit(

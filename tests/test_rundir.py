@@ -158,6 +158,7 @@ def test_a_lock_left_by_an_earlier_process_with_the_same_pid_is_taken_over(tmp_p
     lock.release()
 
 
+@pytest.mark.deadline
 def test_a_held_lock_keeps_its_heartbeat(tmp_path):
     lock = RunLock(str(tmp_path), heartbeat_s=0.05).acquire()
     first = json.loads((tmp_path / "driver.lock").read_text())["time"]
