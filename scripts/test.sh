@@ -8,7 +8,7 @@
 # in the CPU time it leaves (about as much as they take: at nice 10 they still took CPU from the Ray
 # part's bursts). Except the few marked `deadline`: they assert a wall-clock bound (a group that ends
 # together, a request that times out in seconds), which a process at nice 19 beside the Ray part's
-# bursts can miss while it waits for a CPU (a 2 s timeout took 6.7 s on CI). They run first, at
+# bursts can miss while it waits for a CPU (two 1 s timeouts took 6.7 s on CI). They run first, at
 # normal priority, while the Ray part starts (its tests with the tightest bounds, the preemption's
 # among them, come last). The Ray part's output follows the others'; the exit status is non-zero if
 # any part failed.
