@@ -169,9 +169,18 @@ def test_a_tracking_server_that_stops_answering_holds_up_no_evaluation_checkpoin
     # The first evaluation waits its few seconds for a request that hangs; the next ones do not.
     assert waited[10] < SETTLE_S + 1 and waited[20] < 0.5 and waited[30] < 0.5, waited
     # The end waits for the request under way: a 5 s timeout and one retry (MLflow's own
-    # defaults: 120 s and 7 retries with backoff), and sends nothing after it.
-    closing, _ = _timed(log.close, 60)
-    assert closing < 12 and server.unanswered == 2, (closing, server.unanswered)
+    # defaults: 120 s and 7 retries with backoff), and sends nothing after it. A switch interval
+    # of 0.5 s lets the logging thread run on from its failed request before the end's thread
+    # sees the failure: the interleaving in which a thread that sent the next batch is caught,
+    # here every time (CI saw it once in a run at the default interval).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    try:
+        closing, _ = _timed(log.close, 60)
+        log._thread.join(2.0)  # ends at the failure, not after another request's timeout
+    finally:
+        sys.setswitchinterval(interval)
+    assert closing < 12 and server.unanswered == 2 and not log._thread.is_alive(), (closing, server.unanswered)
 
     # Every value sent after the server stopped is counted, dropped at the full queue or not sent.
     sent = 29 * 2 + 3

@@ -207,7 +207,9 @@ class MlflowLog(Callback):
             with self._changed:
                 while not (self._pending or self._closing or self._abandoned):
                     self._changed.wait()
-                if self._abandoned or not self._pending:
+                # Once the attempt is ending, a failed request is the last: close() stops waiting at
+                # the failure, and a request sent after it would outlive close() by its timeout.
+                if self._abandoned or not self._pending or (self._closing and self._failing):
                     return
                 # The batches that waited behind a slow request go out with it, in one request.
                 items = [self._pending.popleft()]
