@@ -10,8 +10,8 @@
 # ends together, a request that times out in seconds, rates timed on two workers), which a process
 # at nice 19 beside the Ray part's bursts can miss while it waits for a CPU (two 1 s timeouts took
 # 6.7 s on CI). They run first, at normal priority, while the Ray part starts (its tests with the
-# tightest bounds, the preemption's among them, come last). The Ray part's output follows the others'; the exit status is non-zero if
-# any part failed.
+# tightest bounds, the preemption's among them, come last). The Ray part's output follows the
+# others'; the exit status is non-zero if any part failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
