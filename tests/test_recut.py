@@ -313,6 +313,36 @@ def test_map_style_batches_left_are_dealt_out_whole_to_the_new_group(sampler):
             assert all(len({int(i) % 3 for i in b}) == 1 for b in s.resumed.part)
 
 
+@pytest.mark.parametrize("start", [333, 378])
+def test_a_recut_part_resumed_near_a_segments_end_reads_each_row_once_window_by_window(split, start):
+    """The executor on Ray preprocesses a part window by window from its resume position
+    (``feed_units``); 378 leaves fewer rows in its segment than one call of ``preprocess`` takes
+    (300), where a slice of the segment once ran past its end."""
+    from raytrain_loops.config.run import PreprocessConfig
+    from raytrain_loops.data.parquet import Reader, read_window
+    from raytrain_loops.runtime.batches import feed_units, read_and_preprocess
+
+    deal = Deal(4, ((3, (800, 800, 800, 800)), (2, (1000, 1000, 1000))))
+    plan = recut_plan(split.index, 7, EPOCH, 128, 1000, deal, 1)
+    data = dataclasses.replace(_config(2).data, preprocess=PreprocessConfig(batch_rows=300))
+    here = list(preprocessed_here(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
+    parts = [
+        part
+        for w, skip in feed_units(plan, start)
+        for part in read_and_preprocess(SeededIds(), split.index, plan, [w], w, skip, (7, EPOCH), 300, True)
+    ]
+    for key in ("id", "seed"):
+        assert np.array_equal(np.concatenate([b[key] for b in here]), np.concatenate([b[key] for b in parts]))
+    assert sum(len(b["id"]) for b in parts) == plan.rows - start > 0
+    assert all(len(b["id"]) <= 300 for b in parts)
+    # A segment read from past its rows gives none (not rows of the window beyond the segment).
+    w, offset = plan.locate(start)
+    seg = int(plan.segments[w][3] - plan.segments[w][2])
+    reader = Reader(split.index)
+    assert len(read_window(reader, plan, w, seg + 1, (7, EPOCH))["id"]) == 0
+    reader.close()
+
+
 @pytest.mark.ray
 def test_the_preprocessing_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
     from raytrain_loops.config.run import PreprocessConfig

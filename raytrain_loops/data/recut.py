@@ -193,7 +193,7 @@ class RecutPlan:
         (with the rows' own seeds), then cut."""
         q, window, lo, hi = (int(v) for v in self.segments[w])
         batch = read_window(reader, self.base[q], window, lo + skip, seeds)
-        return {k: v[: hi - lo - skip] for k, v in batch.items()}
+        return {k: v[: max(0, hi - lo - skip)] for k, v in batch.items()}
 
 
 def recut_plan(

@@ -275,3 +275,9 @@ def first_batch(task: Task, config: Config, splits: dict[str, Any], rows: dict[s
         return next(iter(stream)), source
     finally:
         close(stream)
+
+
+def feed_units(plan: Plan, start_row: int) -> list[tuple[int, int]]:
+    """The plan's rows from ``start_row`` on as ``(window, rows skipped)``, one per window."""
+    first, skip = plan.locate(start_row)
+    return [(w, skip if w == first else 0) for w in range(first, plan.windows)]
