@@ -208,14 +208,14 @@ def test_a_preprocessing_task_that_fails_to_read_a_file_reaches_the_cli_as_its_o
     from raytrain_loops.cli import _failed
     from raytrain_loops.config.run import DataConfig
     from raytrain_loops.data.parquet import eval_plan, index_split
-    from raytrain_loops.worker.batches import preprocessed
+    from raytrain_loops.worker.batches import RayPreprocessing
 
     missing = tmp_path / "part-00000.parquet"
     pq.write_table(pa.table({"label": list(range(10))}), missing)
     index = index_split(str(tmp_path), ["label"])
     missing.unlink()  # gone after the driver indexed it: the task's read fails
     with pytest.raises(Exception) as caught:
-        list(preprocessed(_Labels(), DataConfig(), eval_plan(index, 1, 0), index, 0, (0, 0), False))
+        list(RayPreprocessing(1)(_Labels(), DataConfig(), eval_plan(index, 1, 0), index, 0, (0, 0), False))
     assert _failed("train", caught.value) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"raytrain-loops: train failed: OSError: reading row group 0 of {missing}: ")

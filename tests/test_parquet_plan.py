@@ -211,12 +211,12 @@ def test_preprocess_maps_one_row_to_one_with_each_rows_own_seed_and_says_so_when
     assert np.array_equal(noise, [np.random.default_rng(int(s)).normal() for s in seeds])
 
 
-@pytest.mark.parametrize("at", [0, 10, 900])  # 900: the first part and the rest reach past the window
-def test_local_preprocessing_gives_the_rows_seeds_and_parts_the_preprocessing_tasks_give_from_a_resumed_position(
+@pytest.mark.parametrize("at", [0, 10, 900])  # 900: the position's window is the last but one
+def test_local_preprocessing_gives_the_rows_seeds_and_parts_the_executor_on_ray_gives_from_a_resumed_position(
     split, at
 ):
     from raytrain_loops.config.run import DataConfig, PreprocessConfig
-    from raytrain_loops.runtime.batches import preprocess_unit, preprocessed_here, preprocessing_units
+    from raytrain_loops.runtime.batches import feed_units, preprocessed_here, read_and_preprocess
 
     plan = train_plan(split, 0, 2, 2, 1, 128, 1000)
     data = DataConfig(preprocess=PreprocessConfig(batch_rows=300))
@@ -224,14 +224,16 @@ def test_local_preprocessing_gives_the_rows_seeds_and_parts_the_preprocessing_ta
     first, skip = plan.locate(start)
     assert first >= 2
     here = list(preprocessed_here(_Noisy(), data, plan, split, start, (0, 2), True))
-    units = list(preprocessing_units(plan, start, 300))
-    assert units[:2] == [(first, skip, 1), (first, skip + 300, None)]  # the first batch waits for one part only
-    tasks = [part for unit in units for part in preprocess_unit(_Noisy(), split, plan, unit, (0, 2), 300, True)]
+    units = feed_units(plan, start)
+    assert units[0] == (first, skip) and all(s == 0 for _, s in units[1:])  # one unit per window
+    tasks = [
+        part for w, s in units for part in read_and_preprocess(_Noisy(), split, plan, [w], w, s, (0, 2), 300, True)
+    ]
     assert [len(o["id"]) for o in tasks] == [len(o["id"]) for o in here]  # each preprocess call, the same rows
     for key in ("id", "x"):
         assert np.array_equal(np.concatenate([o[key] for o in here]), np.concatenate([o[key] for o in tasks]))
     assert sum(len(o["id"]) for o in here) == plan.rows - start
-    assert list(preprocessing_units(plan, plan.rows, 300)) == []  # the epoch's end: no task
+    assert feed_units(plan, plan.rows) == []  # the epoch's end: nothing to execute
 
 
 def test_a_streamed_split_with_large_row_groups_gets_a_warning_naming_it(split, capsys):

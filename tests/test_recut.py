@@ -346,14 +346,14 @@ def test_a_recut_part_resumed_near_a_segments_end_reads_each_row_once_window_by_
 @pytest.mark.ray
 def test_the_preprocessing_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
     from raytrain_loops.config.run import PreprocessConfig
-    from raytrain_loops.worker.batches import preprocessed
+    from raytrain_loops.worker.batches import RayPreprocessing
 
     deal = Deal(4, ((3, (800, 800, 800, 800)), (2, (1000, 1000, 1000))))
     plan = recut_plan(split.index, 7, EPOCH, 128, 1000, deal, 1)
     data = dataclasses.replace(_config(2).data, preprocess=PreprocessConfig(batch_rows=300))
     start = 333  # inside a segment: its rows before the position are left out
     here = list(preprocessed_here(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
-    on_ray = list(preprocessed(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
+    on_ray = list(RayPreprocessing(1)(SeededIds(), data, plan, split.index, start, (7, EPOCH), True))
     for key in ("id", "seed"):
         assert np.array_equal(np.concatenate([b[key] for b in here]), np.concatenate([b[key] for b in on_ray]))
     assert sum(len(b["id"]) for b in on_ray) == plan.rows - start > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raytrain_loops.config.base import ConfigError, apply_overrides, at_least, from_dict, opt, read_yaml, to_dict
+from raytrain_loops.config.data import DataConfig, PreprocessConfig
 from raytrain_loops.config.engine import (
     AccumConfig,
     ClipConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LoopConfig",
+    "PreprocessConfig",
     "RunConfig",
     "ScalingConfig",
     "TaskConfig",
@@ -60,66 +62,6 @@ class LoopConfig:
     def __post_init__(self) -> None:
         at_least(self, 0, "max_steps")
         at_least(self, 1, "epochs")
-
-
-@dataclass(kw_only=True, slots=True)
-class PreprocessConfig:
-    """Where a task's ``preprocess`` runs: Ray tasks, each reading one window of a worker's rows
-    and preprocessing it, spread over the cluster's nodes with CPUs."""
-
-    num_cpus: float = opt(1.0, "CPUs each preprocessing task reserves.")
-    concurrency: int = opt(0, "Most preprocessing tasks at once per training worker (0: as many as the CPUs allow).")
-    batch_rows: int = opt(256, "Rows per call of Task.preprocess.")
-    resources: dict[str, float] = opt(
-        {},
-        "Custom Ray resources each preprocessing task asks too (e.g. {preprocess: 1}: only on nodes that advertise it).",
-    )
-
-    def __post_init__(self) -> None:
-        at_least(self, 0, "num_cpus", "concurrency")
-        at_least(self, 1, "batch_rows")
-        for name, amount in self.resources.items():
-            if name in ("CPU", "GPU", "memory") or amount <= 0:
-                raise ConfigError(
-                    f"resources.{name}",
-                    f"must name a custom resource with an amount > 0 (CPUs: data.preprocess.num_cpus); got {amount}",
-                )
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    """Batching and ingestion."""
-
-    batch_size: int = opt(64, "Micro-batch size per worker.")
-    eval_batch_size: int = opt(256, "Batch size per worker for evaluation.")
-    shuffle_buffer: int = opt(
-        10_000,
-        "Parquet: rows of each window of a worker's share whose order is permuted (0: no shuffle, storage order); "
-        "a worker holds up to two windows in memory.",
-    )
-    shuffle_chunk_rows: int = opt(
-        128,
-        "Parquet: the split's row groups are cut into chunks of at most this many rows, permuted over the whole split "
-        "every epoch and dealt out to the workers; row groups much larger than this are read more than once.",
-    )
-    dir: str = opt(
-        "~/.cache/raytrain_loops",
-        "Directory where bundled data sets are written as Parquet: a local path, or a URI pyarrow opens (s3://, gs://), "
-        "prepared in a local staging directory and uploaded; a cluster whose nodes share no disk needs a URI.",
-    )
-    loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
-    prefetch_batches: int = opt(
-        2, "Parquet: batches prepared ahead (0: none; without preprocess, one window read ahead on a thread)."
-    )
-    preprocess: PreprocessConfig = opt(PreprocessConfig(), "Where Task.preprocess runs.")
-    materialize: Literal["auto", "always", "never"] = opt(
-        "auto", "Read Parquet once into Ray's object store instead of every epoch; auto: when under 1 GiB."
-    )
-
-    def __post_init__(self) -> None:
-        at_least(self, 1, "batch_size", "eval_batch_size")
-        at_least(self, 0, "shuffle_buffer", "loader_workers", "prefetch_batches")
-        at_least(self, 1, "shuffle_chunk_rows")
 
 
 @dataclass(kw_only=True, slots=True)

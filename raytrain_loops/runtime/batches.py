@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -29,16 +28,35 @@ from raytrain_loops.data.parquet import (
     windows_from,
 )
 from raytrain_loops.data.recut import Deal, RecutPlan, data_record, recut_plan, resume_point
-from raytrain_loops.engine.length import accum_steps, batches_per_epoch, steps_in_epoch
+from raytrain_loops.engine.length import accum_steps, batches_per_epoch, epochs_in_run, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.streams import close
-from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess
+from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess, set_up_once
 
 Plan = WorkerPlan | RecutPlan
 """One worker's rows of an epoch: its own share, or its part of a re-cut epoch."""
 
-# (task, data, plan, index, start_row, (seed, epoch), train) -> the plan's preprocessed rows from start_row on
-Preprocessing = Callable[[Task, DataConfig, Plan, Any, int, tuple[int, int], bool], Iterable[dict[str, Any]]]
+# (task, data, plan, index, start_row, (seed, epoch), train, ahead) -> the plan's preprocessed rows from
+# start_row on; ``ahead``: the train split's plans of the epochs that follow (an executor may work ahead
+# into them), None for an evaluation
+Preprocessing = Callable[..., Iterable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class EpochPlans:
+    """One worker's plans of the train split for the epochs after the one a stream starts in, up to
+    ``last``: what a long-lived executor reads ahead into."""
+
+    index: Any
+    seed: int
+    world: int
+    rank: int
+    chunk_rows: int
+    buffer: int
+    last: int
+
+    def __call__(self, epoch: int) -> WorkerPlan:
+        return train_plan(self.index, self.seed, epoch, self.world, self.rank, self.chunk_rows, self.buffer)
 
 
 @dataclass(frozen=True)
@@ -87,6 +105,11 @@ class Batches:
             self.batches_per_epoch = self.maps.batches_per_epoch
         else:
             self.batches_per_epoch = batches_per_epoch(rows["train"], world, self.data.batch_size)
+        self.last_epoch = epochs_in_run(config.loop, config.accum, self.batches_per_epoch, self.scale) - 1
+
+    def close(self) -> None:
+        """End what the batch source keeps between epochs (an executor working ahead)."""
+        close(self.preprocessing)
 
     def batches(self, split: str, epoch: int, start: int = 0) -> Iterable[Any]:
         r = self.resumed if split == "train" and self.resumed and self.resumed.epoch == epoch else None
@@ -107,7 +130,11 @@ class Batches:
         else:
             plan = eval_plan(index, self.world, self.rank)
         if has_preprocess(self.task):
-            fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train)
+            ahead = None
+            if train:
+                d = self.data
+                ahead = EpochPlans(index, self.seed, self.world, self.rank, d.shuffle_chunk_rows, d.shuffle_buffer, self.last_epoch)
+            fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train, ahead)
         else:
             # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
             fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
@@ -199,6 +226,7 @@ def read_and_preprocess(
     """Read ``windows`` of ``plan`` and pass their rows through ``task.preprocess``, ``rows`` at
     a time (``skip``: the rows of window ``first`` already trained on; ``train``: the train
     split's rows)."""
+    set_up_once(task)
     reader = Reader(index)
     try:
         for w in windows:
@@ -207,37 +235,6 @@ def read_and_preprocess(
                 yield _preprocess_part(task, {k: v[lo : lo + rows] for k, v in batch.items()}, train)
     finally:
         reader.close()
-
-
-Unit = tuple[int, int, int | None]
-"""A preprocessing task's share of a plan: ``(window, rows skipped, parts)``, the parts counted in
-calls of ``preprocess`` (None: all the window's)."""
-
-
-def preprocessing_units(plan: Plan, start_row: int, rows: int) -> Iterator[Unit]:
-    """The plan's rows from ``start_row`` on as preprocessing tasks' units, in the plan's order: the
-    first part alone (the first batch waits for no more than its own rows), the rest of its
-    window, then one window each. The parts cut are those of one task per window: each call of
-    ``preprocess`` gets the same rows."""
-    first, skip = plan.locate(start_row)
-    if first >= plan.windows:
-        return
-    yield first, skip, 1
-    yield first, skip + rows, None
-    for w in range(first + 1, plan.windows):
-        yield w, 0, None
-
-
-def preprocess_unit(
-    task: Task, index: Any, plan: Plan, unit: Unit, seeds: tuple[int, int], rows: int, train: bool
-) -> list[dict[str, np.ndarray]]:
-    """The parts of ``unit`` (:func:`preprocessing_units`), read and preprocessed ``rows`` at a time."""
-    window, skip, parts = unit
-    out = read_and_preprocess(task, index, plan, [window], window, skip, seeds, rows, train)
-    try:
-        return list(islice(out, parts))
-    finally:
-        out.close()  # the window's reader
 
 
 def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
@@ -254,11 +251,19 @@ def _preprocess_part(task: Task, part: dict[str, np.ndarray], train: bool) -> di
 
 
 def preprocessed_here(
-    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
+    task: Task,
+    data: DataConfig,
+    plan: Plan,
+    index: Any,
+    start_row: int,
+    seeds: tuple[int, int],
+    train: bool,
+    ahead: EpochPlans | None = None,
 ) -> Iterable[dict[str, Any]]:
     """The plan's windows from ``start_row`` on, read and preprocessed in this process, one
     window ahead on a background thread: the same rows, in the same order and with the same
-    row seeds, as the preprocessing tasks give a Ray worker."""
+    row seeds, as the preprocessing tasks give a Ray worker (``ahead`` is not read: nothing works
+    ahead across epochs here)."""
     first, skip = plan.locate(start_row)
     parts = read_and_preprocess(
         task, index, plan, range(first, plan.windows), first, skip, seeds, data.preprocess.batch_rows, train

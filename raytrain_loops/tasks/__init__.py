@@ -11,7 +11,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from raytrain_loops.tasks.base import EvalOutput, MapSplit, ParquetSplit, Task, build_task, has_preprocess
+from raytrain_loops.tasks.base import (
+    EvalOutput,
+    MapSplit,
+    ParquetSplit,
+    Task,
+    build_task,
+    has_actor_setup,
+    has_preprocess,
+    set_up_once,
+)
 
 # name -> (module, class) of the built-in tasks.
 BUILTIN_PATHS = {
@@ -55,5 +64,7 @@ __all__ = [
     "Task",
     "build_task",
     "builtin",
+    "has_actor_setup",
     "has_preprocess",
+    "set_up_once",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,12 @@ class Task:
         straight from pyarrow to :meth:`collate` and nothing is paid for it."""
         return batch
 
+    def actor_setup(self) -> None:
+        """Build, once per preprocessing process, the state :meth:`preprocess` reads (a tokenizer, a
+        model), kept on ``self``. A task that overrides it preprocesses in a pool of Ray actors
+        (``data.preprocess.actors``), each calling it once before its first batch; a local run calls
+        it once in its own process. Not overridden: preprocessing runs in Ray tasks."""
+
     def collate(self, batch: dict[str, np.ndarray]) -> Any:
         """Turn a Parquet batch (column name -> NumPy array) into what the criterion takes."""
         return {k: torch.as_tensor(v) for k, v in batch.items()}
@@ -173,6 +180,24 @@ class Task:
 def has_preprocess(task: Task) -> bool:
     """Whether ``task`` overrides :meth:`Task.preprocess`."""
     return type(task).preprocess is not Task.preprocess
+
+
+def has_actor_setup(task: Task) -> bool:
+    """Whether ``task`` overrides :meth:`Task.actor_setup` (its preprocessing then runs in actors)."""
+    return getattr(type(task), "actor_setup", Task.actor_setup) is not Task.actor_setup
+
+
+_SET_UP: set[int] = set()
+"""The ids of the task instances in this process whose :meth:`Task.actor_setup` ran (not an attribute
+of the task: a copy sent to another process must set itself up there)."""
+
+
+def set_up_once(task: Task) -> None:
+    """:meth:`Task.actor_setup` of this instance, the first time only."""
+    if has_actor_setup(task) and id(task) not in _SET_UP:
+        task.actor_setup()
+        _SET_UP.add(id(task))
+        weakref.finalize(task, _SET_UP.discard, id(task))
 
 
 def params_at_least(*checks: tuple[str, float, float]) -> None:

@@ -1,129 +1,273 @@
 """This worker's batches on Ray: :class:`~raytrain_loops.runtime.batches.Batches` on this worker's
-device, a task's :meth:`~raytrain_loops.tasks.Task.preprocess` run by Ray tasks on the cluster's
-CPUs, one window of the plan each (:func:`preprocessed`). The loop's
-:class:`~raytrain_loops.engine.loop.BatchSource`."""
+device, with a task's :meth:`~raytrain_loops.tasks.Task.preprocess` executed by Ray Data
+(:class:`RayPreprocessing`). The loop's :class:`~raytrain_loops.engine.loop.BatchSource`.
+
+The plan (:mod:`raytrain_loops.data.parquet`) decides which rows this worker reads and in what
+order; Ray Data decides where and when they are preprocessed. The train split runs in one
+long-lived execution per worker per attempt, over this worker's windows of the epoch it starts
+in and of the epochs after it, in the plan's order (``preserve_order``): the next epoch's first
+rows are ready when it starts. Each evaluation runs an execution of its own. Every execution holds
+this worker's share of ``data.preprocess.memory_gb`` (Ray Data's backpressure) and its blocks are
+bounded in bytes, so a window is never one object.
+"""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import ray
 import ray.train
 import ray.train.torch
 
 from raytrain_loops.config import Config
-from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data.parquet import prefetched
-from raytrain_loops.runtime.batches import Batches, Plan, Unit, preprocess_unit, preprocessing_units
+from raytrain_loops.config.run import DataConfig, PreprocessConfig
+from raytrain_loops.console.feed import Sender
+from raytrain_loops.runtime.batches import Batches, EpochPlans, Plan, feed_units, read_and_preprocess
 from raytrain_loops.streams import close
-from raytrain_loops.tasks import Task
-
-
-def ray_batches(task: Task, config: Config, splits: dict[str, Any], rows: dict[str, int], rank: int, world: int):
-    """This worker's batch source: pinned batches on a GPU worker (the engine's non_blocking
-    copies are then asynchronous), preprocessing by Ray tasks."""
-    return Batches(task, config, splits, rows, rank, world, ray.train.torch.get_device(), preprocessed)
-
+from raytrain_loops.tasks import Task, has_actor_setup, set_up_once
+from raytrain_loops.worker.feed import Execution, Starvation
 
 NODE = "_preprocessed_on"
-"""The key a preprocessing task adds to each part it returns: the id of the node it ran on (taken
+"""The column a preprocessing task adds to the rows it returns: the id of the node it ran on (taken
 off on the worker)."""
+
+EPOCH = "_feed_epoch"
+"""The column a preprocessing task adds to the rows it returns: their epoch (taken off on the worker)."""
 
 PREPROCESSED_ON: Counter[str] = Counter()
 """Rows preprocessed for this worker process, per node: recorded in every checkpoint's rank file."""
 
-WAIT_S = 600.0
-"""The longest this worker waits for one of its preprocessing tasks to finish: a task that cannot
-start (no node with ``data.preprocess.num_cpus`` free) or that hangs stops the epoch with an error
-instead of holding the run."""
+STORE_SHARE = 0.25
+"""The budget's default (``data.preprocess.memory_gb=0``): this fraction of the cluster's object store."""
+
+EVAL_SHARE = 0.25
+"""The part of a worker's budget an evaluation's execution holds; the train split's holds the rest."""
+
+MAX_UNITS = 4096
+"""The most windows one train execution covers: past them (a long run of small windows) the next
+execution starts where it ended."""
 
 
-@ray.remote
-def _read_and_preprocess(
-    task: Task, index: Any, plan: Plan, unit: Unit, seeds: tuple[int, int], rows: int, train: bool
-) -> list[dict[str, Any]]:
-    """A preprocessing task's work: the parts of ``unit`` (a window or part of one), each marked
-    with this task's node."""
-    node = ray.get_runtime_context().get_node_id()
-    return [{**part, NODE: node} for part in preprocess_unit(task, index, plan, unit, seeds, rows, train)]
+def ray_batches(
+    task: Task,
+    config: Config,
+    splits: dict[str, Any],
+    rows: dict[str, int],
+    rank: int,
+    world: int,
+    sender: Sender | None = None,
+) -> Batches:
+    """This worker's batch source: pinned batches on a GPU worker (the engine's non_blocking
+    copies are then asynchronous), preprocessing executed by Ray Data; ``sender``: where a
+    starved worker's line goes (the console)."""
+    say = (lambda text: sender.send("data", f"worker {rank}: {text}")) if sender is not None else print
+    preprocessing = RayPreprocessing(world, say)
+    return Batches(task, config, splits, rows, rank, world, ray.train.torch.get_device(), preprocessing)
 
 
-def _ordered(submit: Callable[[Any], Any], units: Iterable[Any], running: int, waiting: int, why: str) -> Iterator[Any]:
-    """The results of ``submit(unit)`` (a Ray task's object ref) for each of ``units``, in their
-    order: at most ``running`` tasks unfinished at once, and at most ``waiting`` more finished and
-    not yet taken. A task that finishes frees its place at once, whichever it is; each wait is
-    bounded by :data:`WAIT_S` (``why``: what the error then says). The tasks not taken are
-    cancelled when the stream closes."""
-    left, ahead = iter(units), deque()
-    try:
+@dataclass
+class _Work:
+    """What every preprocessing task or actor of one execution reads: the task, the split's index,
+    the first epoch's plan (a worker's own, a re-cut part's, an evaluation's) and the plans of the
+    epochs after it."""
+
+    task: Task
+    index: Any
+    first_epoch: int
+    first: Plan
+    ahead: EpochPlans | None
+    seed: int
+    rows: int
+    train: bool
+
+    def plan(self, epoch: int) -> Plan:
+        if epoch == self.first_epoch or self.ahead is None:
+            return self.first
+        return self.ahead(epoch)
+
+    def parts(self, units: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """The preprocessed parts of ``units`` (a batch of epoch, window, rows skipped), each
+        ``rows`` rows at most, marked with their epoch and this process's node."""
+        node = ray.get_runtime_context().get_node_id()
+        plans: dict[int, Plan] = {}
+        for epoch, window, skip in zip(units["epoch"].tolist(), units["window"].tolist(), units["skip"].tolist(), strict=True):
+            plan = plans.setdefault(epoch, self.plan(epoch))
+            seeds = (self.seed, epoch)
+            for part in read_and_preprocess(self.task, self.index, plan, [window], window, skip, seeds, self.rows, self.train):
+                n = len(next(iter(part.values())))
+                part[EPOCH] = np.full(n, epoch, dtype=np.int64)
+                part[NODE] = np.full(n, node)
+                yield part
+
+
+def _preprocess_units(units: dict[str, np.ndarray], work: _Work) -> Iterator[dict[str, np.ndarray]]:
+    """A Ray task's work (Ray Data's ``map_batches`` function)."""
+    yield from work.parts(units)
+
+
+class _Preprocessor:
+    """An actor's work: the task's :meth:`~raytrain_loops.tasks.Task.actor_setup` once, then its
+    windows (Ray Data's ``map_batches`` class)."""
+
+    def __init__(self, work: _Work):
+        self.work = work
+        set_up_once(work.task)
+
+    def __call__(self, units: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        yield from self.work.parts(units)
+
+
+def budget_bytes(p: PreprocessConfig) -> float:
+    """``data.preprocess.memory_gb`` in bytes, or its default from the cluster's object store."""
+    if p.memory_gb > 0:
+        return p.memory_gb * 2**30
+    return STORE_SHARE * float(ray.cluster_resources().get("object_store_memory", 2**30))
+
+
+def _cpus_share(p: PreprocessConfig, world: int) -> float:
+    """This worker's share of the cluster's CPUs for preprocessing (at least one task's)."""
+    return max(p.num_cpus, float(ray.cluster_resources().get("CPU", 1.0)) / world)
+
+
+def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig, world: int, memory: float) -> Any:
+    """The Ray Data execution of ``units`` (epoch, window, rows skipped) for one stream of this
+    worker: in their order, under ``memory`` bytes of object store, in blocks of a fraction of it."""
+    import ray.data
+    from ray.data import ActorPoolStrategy
+    from ray.data._internal.execution.interfaces import ExecutionResources
+
+    items = [{"epoch": e, "window": w, "skip": s} for e, w, s in units]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    args: dict[str, Any] = {"num_cpus": p.num_cpus, "batch_size": 1, "zero_copy_batch": True}
+    if p.num_gpus:
+        args["num_gpus"] = p.num_gpus
+    if p.resources:
+        args["resources"] = dict(p.resources)
+    cpus = None
+    if p.actors or has_actor_setup(work.task):
+        low, high = p.actors or (1, max(1, int(_cpus_share(p, world) // max(p.num_cpus, 1e-9))))
+        args.update(fn_constructor_kwargs={"work": work}, compute=ActorPoolStrategy(min_size=low, max_size=high))
+        ds = ds.map_batches(_Preprocessor, **args)
+    else:
+        if p.concurrency:
+            args["concurrency"] = p.concurrency
+        else:
+            cpus = _cpus_share(p, world)
+        ds = ds.map_batches(_preprocess_units, fn_kwargs={"work": work}, **args)
+    ctx = ds.context
+    ctx.execution_options.preserve_order = True
+    ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus, object_store_memory=memory)
+    ctx.target_max_block_size = int(min(128 * 2**20, max(2**20, memory / 8)))
+    ctx.print_on_execution_start = False
+    ctx.enable_progress_bars = False
+    return ds
+
+
+class _Stream:
+    """One execution's rows as this worker reads them: its blocks in order, each epoch's rows
+    until the next epoch's first (``stop_at``), the node column counted and taken off."""
+
+    def __init__(self, execution: Execution, units: list[tuple[int, int, int]]):
+        self.execution = execution
+        self.last_epoch = units[-1][0] if units else -1
+        self._held: dict[str, np.ndarray] | None = None  # a block of a later epoch, read too soon
+
+    def epoch(self, epoch: int) -> Iterator[dict[str, Any]]:
+        """The rows of ``epoch`` left in this stream (those of an earlier epoch not read are dropped)."""
         while True:
-            done, busy = ray.wait(list(ahead), num_returns=len(ahead), timeout=0) if ahead else ([], [])
-            room = min(running - len(busy), running + waiting - len(ahead))
-            for unit in islice(left, max(0, room)):
-                ahead.append(submit(unit))
-                busy.append(ahead[-1])
-            if not ahead:
+            block = self._held if self._held is not None else self.execution.next()
+            self._held = None
+            if block is None:
                 return
-            if ahead[0] in done:
-                yield ray.get(ahead.popleft(), timeout=WAIT_S)
-            elif not ray.wait(busy, num_returns=1, timeout=WAIT_S)[0]:
-                raise TimeoutError(f"no preprocessing task finished in {WAIT_S:g} s: {why}")
-    finally:
-        for ref in ahead if ray.is_initialized() else ():
-            ray.cancel(ref)
+            at = int(block[EPOCH][0])
+            if at < epoch:
+                continue
+            if at > epoch:
+                self._held = block
+                return
+            block.pop(EPOCH)
+            node = block.pop(NODE)
+            PREPROCESSED_ON[str(node[0])] += len(node)
+            # Read-only views of the object store: copied, so that collate may write in place as it can locally.
+            yield {k: v if v.flags.writeable else v.copy() for k, v in block.items()}
 
 
-def _counted(batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """``batches`` without their node, their rows counted per node in :data:`PREPROCESSED_ON`."""
+class RayPreprocessing:
+    """The :data:`~raytrain_loops.runtime.batches.Preprocessing` of a Ray worker: Ray Data
+    executions of this worker's windows, the train split's one kept from epoch to epoch."""
+
+    def __init__(self, world: int, say: Callable[[str], None] = print):
+        self.world, self.say = world, say
+        self._train: _Stream | None = None
+        self._next: tuple[int, int] | None = None  # (epoch, row) where the train stream continues
+        self._ahead: EpochPlans | None = None
+
+    def __call__(
+        self,
+        task: Task,
+        data: DataConfig,
+        plan: Plan,
+        index: Any,
+        start_row: int,
+        seeds: tuple[int, int],
+        train: bool,
+        ahead: EpochPlans | None = None,
+    ) -> Iterable[dict[str, Any]]:
+        seed, epoch = seeds
+        p = data.preprocess
+        share = budget_bytes(p) / self.world
+        if plan.locate(start_row)[0] >= plan.windows:
+            return iter(())
+        if not train or ahead is None:  # an evaluation: an execution of its own, ended with it
+            work = _Work(task.preprocessing_copy(), index, epoch, plan, None, seed, p.batch_rows, train)
+            units = [(epoch, w, s) for w, s in feed_units(plan, start_row)]
+            stream = _Stream(self._start(work, units, p, share * EVAL_SHARE), units)
+            return _ended(stream.epoch(epoch), stream.execution)
+        if self._train is None or self._next != (epoch, start_row) or self._ahead != ahead:
+            self.close()
+            work = _Work(task.preprocessing_copy(), index, epoch, plan, ahead, seed, p.batch_rows, train)
+            units = self._train_units(plan, start_row, epoch, ahead)
+            self._train = _Stream(self._start(work, units, p, share * (1 - EVAL_SHARE)), units)
+            self._ahead = ahead
+        stream = self._train
+        self._next = (epoch + 1, 0) if epoch < stream.last_epoch else None
+        return stream.epoch(epoch)
+
+    @staticmethod
+    def _train_units(plan: Plan, start_row: int, epoch: int, ahead: EpochPlans) -> list[tuple[int, int, int]]:
+        """The train split's windows from ``start_row`` of ``epoch`` on, then the following epochs'
+        whole, up to :data:`MAX_UNITS` windows (at least the first epoch's)."""
+        units = [(epoch, w, s) for w, s in feed_units(plan, start_row)]
+        for e in range(epoch + 1, ahead.last + 1):
+            later = [(e, w, 0) for w in range(ahead(e).windows)]
+            if len(units) + len(later) > MAX_UNITS:
+                break
+            units += later
+        return units
+
+    def _start(self, work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig, memory: float) -> Execution:
+        ask = {"CPU": p.num_cpus, "GPU": p.num_gpus, **p.resources}
+        starvation = Starvation(ask, p.warn_after_s, p.timeout_s, self.say)
+        return Execution(_dataset(work, units, p, self.world, memory), starvation)
+
+    def close(self) -> None:
+        """End the train split's execution (its tasks cancelled)."""
+        if self._train is not None:
+            self._train.execution.close()
+        self._train, self._next = None, None
+
+
+def _ended(rows: Iterator[dict[str, Any]], execution: Execution) -> Iterator[dict[str, Any]]:
+    """``rows``, the execution ended with them (read to the end or closed early)."""
     try:
-        for batch in batches:
-            node = batch.pop(NODE)
-            PREPROCESSED_ON[node] += len(next(iter(batch.values()))) if batch else 0
-            yield batch
+        yield from rows
     finally:
-        close(batches)  # the tasks ahead cancelled, the thread ended, with the epoch
+        close(rows)
+        execution.close()
 
 
-def _cpus_allow(num_cpus: float) -> int:
-    """How many tasks of ``num_cpus`` CPUs the cluster's CPUs run at once (at least one)."""
-    cpus = ray.cluster_resources().get("CPU", 1.0)
-    return max(1, int(cpus // num_cpus) if num_cpus > 0 else int(cpus))
-
-
-def _parts(
-    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
-) -> Iterator[dict[str, Any]]:
-    """The parts of the plan's windows from ``start_row`` on, in the plan's order, each marked with
-    the node that preprocessed it."""
-    p = data.preprocess
-    shared = [ray.put(x) for x in (task.preprocessing_copy(), index, plan)]  # stored once, read by every task
-    call = _read_and_preprocess.options(num_cpus=p.num_cpus, resources=p.resources, scheduling_strategy="SPREAD")
-
-    def submit(unit: Unit) -> Any:
-        return call.remote(*shared, unit, seeds, p.batch_rows, train)
-
-    running = p.concurrency or _cpus_allow(p.num_cpus)
-    why = f"is a node with data.preprocess.num_cpus={p.num_cpus:g} CPUs free?"
-    units = preprocessing_units(plan, start_row, p.batch_rows)
-    for window in _ordered(submit, units, running, max(1, data.prefetch_batches), why):
-        yield from window
-
-
-def preprocessed(
-    task: Task, data: DataConfig, plan: Plan, index: Any, start_row: int, seeds: tuple[int, int], train: bool
-) -> Iterable[dict[str, Any]]:
-    """The plan's windows (a re-cut part's: its segments) from ``start_row`` on, read and passed
-    through ``task.preprocess`` by Ray tasks (``data.preprocess``: CPUs each, how many at once)
-    wherever the cluster has CPUs (spread over its nodes), streamed to this worker in the plan's
-    order by a background thread that keeps the tasks going while the step runs.
-
-    Plain Ray tasks, one window each, not Ray Data: a Ray Data execution per epoch and per
-    evaluation took 2.5-5.8 s for rows one thread decodes in 1.3 s (its first batch 6-7 s on a
-    loaded machine, against 0.5 s here); a task starts in milliseconds. Long-lived actors or
-    pipelines would hold their CPUs between epochs, which other workers' tasks then wait for."""
-    if plan.locate(start_row)[0] >= plan.windows:
-        return iter(())
-    parts = _parts(task, data, plan, index, start_row, seeds, train)
-    return _counted(prefetched(parts, max(1, data.prefetch_batches)))
+__all__ = ["PREPROCESSED_ON", "RayPreprocessing", "budget_bytes", "ray_batches"]

@@ -25,6 +25,7 @@ from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.update.guards import GroupBrokenError, TrainingError
 from raytrain_loops.errors import Stopped
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
+from raytrain_loops.streams import close
 from raytrain_loops.tasks import Task
 from raytrain_loops.worker.batches import ray_batches
 from raytrain_loops.worker.reporter import RayReporter
@@ -105,7 +106,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
             ray.train.torch.get_device(),
             sender,
             prepare_model=prepare_model,
-            batches=ray_batches,
+            batches=functools.partial(ray_batches, sender=sender),
             reporter=functools.partial(RayReporter, rank=rank, world=world, run_dir=payload.run_dir, sender=sender),
             before_data=functools.partial(_check_stops, payload),
         )
@@ -133,4 +134,6 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
         if payload.stops.agreed(world):
             return stopped
         raise
+    finally:
+        close(wired.loop.source)  # the executor working ahead ends with the attempt
     return None

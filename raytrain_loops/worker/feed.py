@@ -1,0 +1,126 @@
+"""One Ray Data execution read by a training worker: its blocks taken on a thread, so that every wait
+for them is bounded and a starved one says what it waits for (:class:`Starvation`), and ended at
+once when the worker is done with it (its tasks cancelled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+_DONE = object()
+
+
+@dataclass
+class Starvation:
+    """What a wait for preprocessed rows does when it is long: after ``warn_after_s`` one line
+    through ``say`` (once per execution), after ``timeout_s`` an error; both name what each
+    preprocessing task asks for (``ask``) and what the cluster's nodes offer."""
+
+    ask: dict[str, float]
+    warn_after_s: float
+    timeout_s: float
+    say: Callable[[str], None] = print
+    warned: bool = field(default=False, init=False)
+
+    def detail(self, waited: float) -> str:
+        asked = ", ".join(f"{k} {v:g}" for k, v in self.ask.items() if v)
+        return (
+            f"no preprocessed rows for {waited:.0f} s: each preprocessing task asks for {asked or 'nothing'} "
+            f"(data.preprocess.num_cpus, num_gpus, resources); the cluster's nodes offer {offered(self.ask)}"
+        )
+
+
+def offered(ask: dict[str, float]) -> str:
+    """Each alive node's free and total amounts of the resources in ``ask``."""
+    free = _available_by_node()
+    lines = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        total, here = node["Resources"], free.get(node["NodeID"], {})
+        amounts = ", ".join(f"{k} {here.get(k, 0):g} free of {total.get(k, 0):g}" for k in ask if ask[k] or k == "CPU")
+        lines.append(f"{node['NodeManagerAddress']} ({amounts})")
+    return "; ".join(lines) or "no alive node"
+
+
+def _available_by_node() -> dict[str, dict[str, float]]:
+    """Each node's available resources, where Ray tells them per node (else none: totals only)."""
+    try:
+        from ray._private.state import available_resources_per_node  # a private Ray module
+
+        return available_resources_per_node()
+    except Exception:  # a Ray without it: the line gives the totals and 0 free
+        return {}
+
+
+class Execution:
+    """``dataset``'s blocks (column name -> NumPy array) in order, read by a thread into a queue
+    of ``depth`` blocks while the step runs; :meth:`next` waits under ``starvation``'s bounds."""
+
+    def __init__(self, dataset: Any, starvation: Starvation, depth: int = 1):
+        self.dataset, self.starvation = dataset, starvation
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="preprocess-feed", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for block in self.dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(block, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(_DONE)
+        except BaseException as err:  # handed to the consumer, raised there
+            if not self._stop.is_set():
+                self._queue.put(err)
+
+    def next(self) -> dict[str, Any] | None:
+        """The next block, or None at the execution's end."""
+        s, start = self.starvation, time.monotonic()
+        while True:
+            waited = time.monotonic() - start
+            if waited >= s.timeout_s:
+                self.close()
+                raise TimeoutError(f"{s.detail(waited)} (data.preprocess.timeout_s={s.timeout_s:g})")
+            limit = s.timeout_s if s.warned else s.warn_after_s
+            try:
+                item = self._queue.get(timeout=max(0.01, min(limit - waited, 1.0)))
+            except queue.Empty:
+                if not s.warned and time.monotonic() - start >= s.warn_after_s:
+                    s.warned = True
+                    s.say(f"preprocessing: {s.detail(time.monotonic() - start)}")
+                continue
+            if item is _DONE:
+                return None
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def close(self) -> None:
+        """End the execution now: its tasks cancelled, the thread ended."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        executor = getattr(self.dataset, "_current_executor", None)  # Ray Data's, once it started
+        if executor is not None:
+            with contextlib.suppress(Exception):  # already shut down, or a Ray Data that shuts down otherwise
+                executor.shutdown(force=True)
+        while self._thread.is_alive():
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                self._thread.join(0.05)
