@@ -45,7 +45,8 @@ def ray_session():
     # covers cloud preemption notices): an actor process fewer per run, ~30 runs. (The controller's
     # 0.5 s poll is start_local_ray's own.)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    start_local_ray(4)
+    # "accel": a custom resource standing in for a GPU (preprocessing placed where it is advertised).
+    start_local_ray(4, resources={"accel": 2})
     yield ray
     ray.shutdown()
 

@@ -133,9 +133,17 @@ def _cpus_share(p: PreprocessConfig, world: int) -> float:
     return max(p.num_cpus, float(ray.cluster_resources().get("CPU", 1.0)) / world)
 
 
+def block_bytes(memory: float) -> int:
+    """The blocks' bound for an execution that holds ``memory`` bytes: a sixteenth of it, 1-128 MiB
+    (Ray Data cuts a part of 1.5 times that or more)."""
+    return int(min(128 * 2**20, max(2**20, memory / 16)))
+
+
 def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig, world: int, memory: float) -> Any:
     """The Ray Data execution of ``units`` (epoch, window, rows skipped) for one stream of this
-    worker: in their order, under ``memory`` bytes of object store, in blocks of a fraction of it."""
+    worker, in their order, holding ``memory`` bytes of object store: Ray Data's limit is what is
+    left once the blocks outside its count are set aside (the one this worker's thread holds, the
+    one the step reads, one more that a running task may write past the limit)."""
     import ray.data
     from ray.data import ActorPoolStrategy
     from ray.data._internal.execution.interfaces import ExecutionResources
@@ -160,8 +168,10 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
         ds = ds.map_batches(_preprocess_units, fn_kwargs={"work": work}, **args)
     ctx = ds.context
     ctx.execution_options.preserve_order = True
-    ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus, object_store_memory=memory)
-    ctx.target_max_block_size = int(min(128 * 2**20, max(2**20, memory / 8)))
+    block = block_bytes(memory)
+    limit = max(block, memory - 3 * 1.5 * block)
+    ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus, object_store_memory=limit)
+    ctx.target_max_block_size = block
     ctx.print_on_execution_start = False
     ctx.enable_progress_bars = False
     return ds
@@ -270,4 +280,4 @@ def _ended(rows: Iterator[dict[str, Any]], execution: Execution) -> Iterator[dic
         execution.close()
 
 
-__all__ = ["PREPROCESSED_ON", "RayPreprocessing", "budget_bytes", "ray_batches"]
+__all__ = ["PREPROCESSED_ON", "RayPreprocessing", "block_bytes", "budget_bytes", "ray_batches"]

@@ -17,6 +17,9 @@ import ray
 
 _DONE = object()
 
+CLOSE_S = 0.5
+"""The longest :meth:`Execution.close` waits for the reading thread to end."""
+
 
 @dataclass
 class Starvation:
@@ -119,7 +122,10 @@ class Execution:
         if executor is not None:
             with contextlib.suppress(Exception):  # already shut down, or a Ray Data that shuts down otherwise
                 executor.shutdown(force=True)
-        while self._thread.is_alive():
+        # The thread ends once the executor is down; one blocked in a wait that the shutdown does
+        # not wake (no block ever came) is left behind (a daemon): this returns within a second.
+        deadline = time.monotonic() + CLOSE_S
+        while self._thread.is_alive() and time.monotonic() < deadline:
             try:
                 self._queue.get_nowait()
             except queue.Empty:

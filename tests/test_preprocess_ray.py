@@ -1,0 +1,202 @@
+"""Preprocessing executed by Ray Data (raytrain_loops/worker/batches.py, worker/feed.py): one memory
+budget for all workers, measured in the object store while a slow run trains; state built once per
+actor; a pool that cannot be placed said on the console and stopped; an execution ended within a
+second when its stream closes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from raytrain_loops import LossOutput, ParquetSplit, Task, fit
+from raytrain_loops.config.run import DataConfig, PreprocessConfig
+from raytrain_loops.data.parquet import index_split, train_plan
+from raytrain_loops.runtime.batches import EpochPlans
+from raytrain_loops.worker.batches import EVAL_SHARE, block_bytes
+
+WIDE = 25_600
+"""Floats each preprocessed row gets: 100 KiB, a hundred times the raw row."""
+
+
+class Expanding(Task):
+    """Rows of an id, preprocessed into 100 KiB each; every step sleeps (a slow consumer). With
+    ``setups``, a directory: each preprocessing process builds its state once (a table it reads for
+    every row), leaving a file named by its pid there, and counts its calls."""
+
+    def __init__(self, path: str = "", sleep_s: float = 0.0, setups: str = ""):
+        self.path, self.sleep_s, self.setups = path, sleep_s, setups
+        self.table: np.ndarray | None = None
+
+    def splits(self, data_dir):
+        return {"train": ParquetSplit(self.path, ["id", "pad"])}
+
+    def actor_setup(self):
+        if self.setups:
+            with open(os.path.join(self.setups, f"setup-{os.getpid()}"), "a") as f:
+                f.write("built\n")
+        self.table = np.arange(WIDE, dtype=np.float32)
+
+    def preprocess(self, batch, train):
+        ids = batch["id"]
+        if self.setups:
+            with open(os.path.join(self.setups, f"calls-{os.getpid()}"), "a") as f:
+                f.write(f"{len(ids)}\n")
+        return {"id": ids, "wide": ids[:, None].astype(np.float32) + self.table[None, :]}
+
+    def collate(self, batch):
+        return torch.as_tensor(batch["wide"][:, :4] - batch["id"][:, None].astype(np.float32))
+
+    def build_model(self):
+        return nn.Linear(4, 1)
+
+    def criterion(self, model, batch, ctx):
+        time.sleep(self.sleep_s)
+        return LossOutput(model(batch).square().mean(), sample_size=len(batch))
+
+
+def _ids(path: Path, rows: int) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    pad = np.zeros(rows, dtype=np.int64)
+    pq.write_table(pa.table({"id": np.arange(rows), "pad": pad}), path / "part-0.parquet", row_group_size=128)
+    return str(path)
+
+
+def _store_stats(address: str) -> tuple[int, int]:
+    """(bytes used, bytes spilled so far) of the object store, summed over the nodes."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    stats = get_memory_info_reply(get_state_from_address(address)).store_stats
+    return int(stats.object_store_bytes_used), int(stats.spilled_bytes_total)
+
+
+@pytest.mark.ray
+def test_the_preprocessed_rows_of_all_workers_stay_within_one_budget_while_a_slow_run_trains(ray_session, tmp_path):
+    """2 workers, each with 4 windows of 256 rows an epoch for 2 epochs, every row preprocessed into
+    100 KiB (25 MiB a window, 200 MiB an epoch), a step that sleeps 40 ms, a budget of 48 MiB for
+    both: the object store's peak, measured every 0.1 s beside the run, stays within the budget
+    plus one block per worker, and nothing is spilled. The preprocessing runs in actor pools placed
+    on the custom resource asked for (a GPU's stand-in), each actor building its state once."""
+    address = ray_session.get_runtime_context().gcs_address
+    base, spilled0 = _store_stats(address)
+    budget = 48 * 2**20
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _store_stats(address)[0] - base)
+            time.sleep(0.1)
+
+    setups = tmp_path / "setups"
+    setups.mkdir()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = fit(
+            {
+                "run": {"storage_path": str(tmp_path / "runs")},
+                "scaling": {"num_workers": 2},
+                "loop": {"epochs": 2},
+                "data": {
+                    "batch_size": 32,
+                    "shuffle_buffer": 256,
+                    "prefetch_batches": 1,
+                    "preprocess": {
+                        "batch_rows": 32,
+                        "memory_gb": budget / 2**30,
+                        "num_cpus": 0.25,
+                        "actors": [1, 2],
+                        "resources": {"accel": 1},
+                    },
+                },
+                "logging": {"every_steps": 100},
+            },
+            task=Expanding(_ids(tmp_path / "ids", 2048), sleep_s=0.04, setups=str(setups)),
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    assert result.metrics["step"] == 2 * 2048 // 64
+    block = 1.5 * block_bytes(budget / 2 * (1 - EVAL_SHARE))  # the largest block a worker's execution makes
+    print(f"budget {budget / 2**20:.0f} MiB, peak {peak[0] / 2**20:.1f} MiB, blocks <= {block / 2**20:.1f} MiB")
+    assert 0 < peak[0] <= budget + 2 * block
+    assert _store_stats(address)[1] == spilled0
+    built = {p.name.split("-")[1]: p.read_text().splitlines() for p in setups.glob("setup-*")}
+    calls = {p.name.split("-")[1]: p.read_text().split() for p in setups.glob("calls-*")}
+    assert set(calls) <= set(built) and 1 <= len(built) <= 2  # no more actors than "accel" places
+    assert all(lines == ["built"] for lines in built.values())  # once per actor process
+    assert sum(int(n) for rows in calls.values() for n in rows) >= 2 * 2048  # every row, both epochs
+    assert max(len(rows) for rows in calls.values()) > 1  # many calls on one state
+
+
+class _Slow(Task):
+    """Rows of an id, each call of ``preprocess`` taking 0.2 s and leaving its start time in ``log``."""
+
+    def __init__(self, log: str):
+        self.log = log
+
+    def preprocess(self, batch, train):
+        with open(self.log, "a") as f:
+            f.write(f"{time.time()}\n")
+        time.sleep(0.2)
+        return {"id": batch["id"]}
+
+
+def _feed_args(tmp_path: Path, rows: int, **preprocess):
+    index = index_split(_ids(tmp_path / "ids", rows), ["id", "pad"])
+    data = DataConfig(batch_size=8, shuffle_buffer=64, preprocess=PreprocessConfig(batch_rows=8, **preprocess))
+    return data, index, train_plan(index, 0, 0, 1, 0, 8, 64), EpochPlans(index, 0, 1, 0, 8, 64, 3)
+
+
+@pytest.mark.ray
+def test_a_pool_no_node_can_place_is_said_on_the_console_then_stops_the_run_naming_what_it_asks(ray_session, tmp_path):
+    from raytrain_loops.worker.batches import RayPreprocessing
+
+    data, index, plan, ahead = _feed_args(tmp_path, 256, resources={"nowhere": 1}, warn_after_s=0.5, timeout_s=3)
+    said: list[str] = []
+    feed = RayPreprocessing(1, said.append)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        list(feed(_Slow(str(tmp_path / "log")), data, plan, index, 0, (0, 0), True, ahead))
+    feed.close()
+    assert 3 <= time.monotonic() - start < 10
+    assert len(said) == 1 and said[0].startswith("preprocessing: no preprocessed rows for 1 s")
+    for text in (said[0], str(caught.value)):
+        assert "each preprocessing task asks for CPU 1, nowhere 1 (data.preprocess.num_cpus, num_gpus, resources)" in text
+        assert "the cluster's nodes offer 192." in text or "the cluster's nodes offer " in text
+        assert "nowhere 0 free of 0" in text and "CPU " in text
+    assert "(data.preprocess.timeout_s=3)" in str(caught.value)
+    assert not (tmp_path / "log").exists()  # nothing ran
+
+
+@pytest.mark.ray
+@pytest.mark.deadline
+def test_a_stream_closed_early_ends_its_execution_within_a_second(ray_session, tmp_path):
+    """An epoch stopped early and the attempt's end (the source closed): the work ahead is cancelled,
+    no call of ``preprocess`` starts once ``close`` returned, and it returns within a second."""
+    from raytrain_loops.worker.batches import RayPreprocessing
+
+    log = tmp_path / "log"
+    data, index, plan, ahead = _feed_args(tmp_path, 1024, concurrency=2)
+    feed = RayPreprocessing(1)
+    rows = feed(_Slow(str(log)), data, plan, index, 0, (0, 0), True, ahead)
+    first = next(iter(rows))
+    assert 0 < len(first["id"]) <= 64  # parts of 8 rows, merged into blocks of at most a window here
+    rows.close()  # the epoch stopped early: the execution goes on into the next epoch
+    started = time.monotonic()
+    feed.close()  # the attempt ends
+    closed_in = time.monotonic() - started
+    closed_at = time.time()
+    time.sleep(1.5)
+    starts = [float(t) for t in log.read_text().split()]
+    print(f"closed in {closed_in * 1000:.0f} ms; {len(starts)} calls of 128 started")
+    assert closed_in < 1.0
+    assert max(starts) < closed_at and len(starts) < 1024 // 8
