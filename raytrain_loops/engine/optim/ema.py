@@ -12,7 +12,7 @@ from raytrain_loops.engine.distributed.sharding import local
 
 ARITHMETIC = ("lerp", "weighted_sum")
 # Elements per group of the weighted sum: its temporary products stay this small, not a model's worth.
-GROUP = 1 << 22
+GROUP = 1 << 20
 
 
 def weighted_sum_(dst: list[torch.Tensor], src: list[torch.Tensor], m: float) -> None:
