@@ -104,11 +104,11 @@ def cvnets_reference(cfg, model, epochs) -> dict:
     return {"model": model, "ema": ema, "lr": lrs, "wd": wds, "scale": scaler.get_scale() if dtype else None}
 
 
-# fp32; fp16 autocast with cvnets' GradScaler, at an initial scale no update overflows (an
-# overflow step is a deliberate deviation); bf16 autocast without one.
+# fp32; fp16 autocast with cvnets' GradScaler at its initial scale (torch's default, 2^16), at
+# which no update overflows (an overflow step is a deliberate deviation); bf16 autocast without one.
 PRECISIONS = {
     "fp32": ["precision.dtype=fp32"],
-    "fp16": ["precision.dtype=fp16", "precision.init_scale=1024"],
+    "fp16": ["precision.dtype=fp16", "precision.init_scale=65536"],
     "bf16": ["precision.dtype=bf16"],
 }
 
