@@ -33,6 +33,7 @@ TRAIN = [
     "clip.mode=global",
     "clip.max_norm=0.5",  # below the gradients' norm: clipping acts on every step
     "ema.enabled=true",
+    "ema.arithmetic=weighted_sum",  # split into flat pieces of each worker's local shards
     "schedules.ema_momentum.value=0.5",
 ]
 

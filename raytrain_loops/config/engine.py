@@ -245,6 +245,13 @@ class EMAConfig:
         "teacher, which normalises with its own batch statistics).",
     )
     every: int = opt(1, "Update the EMA every this many optimizer steps.")
+    arithmetic: Literal["lerp", "weighted_sum"] = opt(
+        "lerp",
+        "How ema = m * ema + (1 - m) * model is computed (m: schedules.ema_momentum). lerp: torch._foreach_lerp_, "
+        "one pass over the weights; weighted_sum: ema * m + (1 - m) * model, each product rounded, then their sum, "
+        "as DINO and cvnets write it (the same bits as theirs, which lerp differs from in the last bit; the dino "
+        "and cvnets_cls recipes choose it).",
+    )
 
     def __post_init__(self) -> None:
         at_least(self, 1, "every")

@@ -15,6 +15,7 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, LossOutput, schedule_value
+from raytrain_loops.engine.optim import ema as ema_arithmetic
 from tests import fakes
 from tests.test_loop import _run
 
@@ -114,9 +115,14 @@ class TinyBN(nn.Module):
         return self.head(torch.relu(self.bn(self.fc(x))))
 
 
-def _bn_engine(buffers: str, momentum: float = 0.9):
+def _bn_engine(buffers: str, momentum: float = 0.9, arithmetic: str = "lerp"):
     torch.manual_seed(0)
-    cfg = _sgd_config("ema.enabled=true", f"ema.buffers={buffers}", f"schedules.ema_momentum.value={momentum}")
+    cfg = _sgd_config(
+        "ema.enabled=true",
+        f"ema.buffers={buffers}",
+        f"schedules.ema_momentum.value={momentum}",
+        f"ema.arithmetic={arithmetic}",
+    )
     return Engine(TinyBN(), fakes.mean_loss, cfg.engine, total_steps=10)
 
 
@@ -149,6 +155,22 @@ def test_ema_buffers_average_follows_cvnets_ema_and_copies_the_batch_count():
     assert int(theirs["bn.num_batches_tracked"]) == 0
 
 
+@pytest.mark.parametrize("group", [ema_arithmetic.GROUP, 5])
+def test_ema_weighted_sum_is_cvnets_update_to_the_bit_where_lerp_is_not(monkeypatch, group):
+    """``ema.arithmetic=weighted_sum`` (the cvnets_cls recipe's) gives cvnets' EMA bit for bit, the
+    running statistics too; with groups of 5 elements the weights are split across groups."""
+    monkeypatch.setattr(ema_arithmetic, "GROUP", group)
+    engines = {a: _bn_engine("average", 0.9, arithmetic=a) for a in ("weighted_sum", "lerp")}
+    reference = copy.deepcopy(engines["lerp"].ema.module)
+    for batch in _micro_batches(4, size=8):
+        assert all(e.train_step([batch]).applied for e in engines.values())
+        _cvnets_ema_update(reference, engines["weighted_sum"].module, 1 - 0.9)
+    theirs = {k: v for k, v in reference.state_dict().items() if v.is_floating_point()}
+    ours, lerp = (engines[a].ema.module.state_dict() for a in ("weighted_sum", "lerp"))
+    assert len(theirs) == 8 and all(torch.equal(ours[k], v) for k, v in theirs.items())
+    assert not all(torch.equal(lerp[k], v) for k, v in theirs.items())
+
+
 def test_ema_buffers_copy_takes_the_models_and_keep_leaves_the_emas_own():
     batches = _micro_batches(3, size=8)
     copying, keeping = _bn_engine("copy"), _bn_engine("keep")
@@ -171,6 +193,8 @@ def test_the_old_ema_copy_buffers_key_is_refused_naming_ema_buffers():
             load_config(None, overrides)
     with pytest.raises(ConfigError, match="ema.buffers: must be one of 'average', 'copy', 'keep'"):
         load_config(None, ["ema.buffers=mean"])
+    with pytest.raises(ConfigError, match="ema.arithmetic: must be one of 'lerp', 'weighted_sum'"):
+        load_config(None, ["ema.arithmetic=lerp_"])
 
 
 def test_an_averaged_ema_resumes_exactly_from_its_checkpoint_in_the_same_format():

@@ -18,10 +18,12 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from raytrain_loops.config import load_config
+from raytrain_loops.engine.update.precision import DTYPES
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.cvnets import CvnetsTask, set_bn_momentum
 from tests.seeds.recipe_run import GroupValues, largest_difference, one_thread, run_loop, task_engine
@@ -34,7 +36,6 @@ SHORT = [
     f"accum.start_epoch={ACCUM_AFTER_EPOCH + 1}",
     f"schedules.lr.warmup_steps={WARMUP}",
     f"schedules.bn_momentum.warmup_steps={WARMUP}",
-    "precision.dtype=fp32",
 ]
 TINY = {"width": 4, "dropout": 0.0, "shift": 0}  # no random draws: the two sides see the same arithmetic
 
@@ -57,7 +58,9 @@ def _bn_momentum(t: int, s) -> float | None:
 
 
 def cvnets_reference(cfg, model, epochs) -> dict:
-    """The seed's loop over ``epochs`` (lists of ``(x, y)`` micro-batches) until ``UPDATES`` updates."""
+    """The seed's loop over ``epochs`` (lists of ``(x, y)`` micro-batches) until ``UPDATES`` updates:
+    the forward and the loss under autocast in ``precision.dtype`` (cvnets' mixed precision), its
+    ``GradScaler`` (fp16 only) unscaling before the clip."""
     model = copy.deepcopy(model)
     ema = copy.deepcopy(model)
     decay = [p for p in model.parameters() if p.ndim > 1]
@@ -69,6 +72,8 @@ def cvnets_reference(cfg, model, epochs) -> dict:
     lr_s, bn_s = cfg.schedules["lr"], cfg.schedules["bn_momentum"]
     label_smoothing = cfg.task.params["label_smoothing"]
     update, lrs, wds = 0, [], []
+    dtype = DTYPES.get(cfg.precision.dtype)
+    scaler = torch.amp.GradScaler("cpu", init_scale=cfg.precision.init_scale, enabled=cfg.precision.dtype == "fp16")
     optimizer.zero_grad()
     for epoch, batches in enumerate(epochs):
         accum_freq = cfg.accum.steps if epoch > ACCUM_AFTER_EPOCH else 1
@@ -80,23 +85,37 @@ def cvnets_reference(cfg, model, epochs) -> dict:
             momentum = _bn_momentum(update, bn_s)
             if momentum is not None:
                 set_bn_momentum(model, momentum)
-            F.cross_entropy(model(x), y, label_smoothing=label_smoothing).backward()  # summed over micro-batches
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y, label_smoothing=label_smoothing)
+            scaler.scale(loss).backward()  # summed over micro-batches
             if (i + 1) % accum_freq == 0:
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip.max_norm)
                 lrs.append([g["lr"] for g in optimizer.param_groups])
                 wds.append([g["weight_decay"] for g in optimizer.param_groups])
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad()
                 with torch.no_grad():
                     msd = model.state_dict()
                     for k, v in ema.state_dict().items():
                         v.copy_(v * (1.0 - ema_weight) + ema_weight * msd[k])
                 update += 1
-    return {"model": model, "ema": ema, "lr": lrs, "wd": wds}
+    return {"model": model, "ema": ema, "lr": lrs, "wd": wds, "scale": scaler.get_scale() if dtype else None}
 
 
-def test_the_cvnets_recipe_reproduces_cvnets_train_epoch_update_for_update():
-    cfg = load_config(resolve("cvnets_cls"), SHORT)
+# fp32; fp16 autocast with cvnets' GradScaler at its initial scale (torch's default, 2^16), at
+# which no update overflows (an overflow step is a deliberate deviation); bf16 autocast without one.
+PRECISIONS = {
+    "fp32": ["precision.dtype=fp32"],
+    "fp16": ["precision.dtype=fp16", "precision.init_scale=65536"],
+    "bf16": ["precision.dtype=bf16"],
+}
+
+
+@pytest.mark.parametrize("dtype", list(PRECISIONS))
+def test_the_cvnets_recipe_reproduces_cvnets_train_epoch_update_for_update(dtype):
+    cfg = load_config(resolve("cvnets_cls"), SHORT + PRECISIONS[dtype])
     task = CvnetsTask(**{**cfg.task.params, **TINY})
     g = torch.Generator().manual_seed(1)
     epochs = [
@@ -111,6 +130,8 @@ def test_the_cvnets_recipe_reproduces_cvnets_train_epoch_update_for_update():
         groups = GroupValues(engine)
         run_loop(engine, cfg, epochs, [groups])
     assert engine.step == UPDATES
+    if dtype == "fp16":
+        assert reference["scale"] == cfg.precision.init_scale == engine.scaler.get_scale()
     torch.testing.assert_close(groups.lr, reference["lr"], rtol=1e-12, atol=0)
     torch.testing.assert_close(groups.wd, reference["wd"], rtol=0, atol=0)
     worst = largest_difference(engine.module.state_dict(), reference["model"].state_dict())
@@ -121,4 +142,4 @@ def test_the_cvnets_recipe_reproduces_cvnets_train_epoch_update_for_update():
     model_state = engine.module.state_dict()
     assert counts and all(int(their_ema[k]) < int(ours_ema[k]) == int(model_state[k]) for k in counts)
     worst_ema = largest_difference(*({k: v for k, v in s.items() if k not in counts} for s in (ours_ema, their_ema)))
-    print(f"cvnets: largest difference after {UPDATES} updates: model {worst:.3g}, EMA {worst_ema:.3g}")
+    print(f"cvnets {dtype}: largest difference after {UPDATES} updates: model {worst:.3g}, EMA {worst_ema:.3g}")

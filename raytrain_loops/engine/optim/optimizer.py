@@ -106,5 +106,5 @@ def optimizer_scaler_ema(
             "ema.enabled with a sharded model: pass ema_module, a copy of the model sharded the same way "
             "(FSDP modules cannot be deep-copied)"
         )
-    ema = EMA(module, config.ema.buffers, ema_module) if config.ema.enabled else None
+    ema = EMA(module, config.ema.buffers, ema_module, config.ema.arithmetic) if config.ema.enabled else None
     return optimizer, scaler, ema
