@@ -279,11 +279,12 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
     assert f"resume it with the same command: raytrain-loops {shlex.join(args)}" in err
     assert "Traceback" not in err
     assert "Started a local Ray" in (run_dir / "ray.log").read_text() and "Started a local Ray" not in out + err
-    (note,) = [line for line in out.splitlines() if "come faster than Ray registers them" in line]
+    (note,) = [line for line in out.splitlines() if "was still on its way to Ray's controller" in line]
     assert re.fullmatch(
-        r"checkpoints and reports every (step|\d+ steps) come faster than Ray registers them \(one per 0\.5 s\): a "
-        r"periodic one is skipped while the one before is in flight, never the final one or a preemption's "
-        r"\(run\.coalesce_reports=false keeps them all\)",
+        r"the checkpoint due at step (\d+) was skipped: the one of step (\d+) was still on its way to Ray's "
+        r"controller, which takes one report per 0\.5 s\. While one is in flight, a periodic report, evaluation's "
+        r"or checkpoint's, is skipped \(the next one due goes out; the final one and a preemption's never are\); "
+        r"this is said once \(run\.coalesce_reports=false keeps them all\)",
         note,
     ), note
     deadline = time.monotonic() + 30  # nothing of the run left running
