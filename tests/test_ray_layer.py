@@ -353,10 +353,17 @@ def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_compl
     assert not (run_dir / "driver.lock").exists()
 
 
-def test_recipes_lists_the_built_ins():
+def test_recipes_lists_the_built_ins_each_with_its_whole_first_sentence():
     out = _cli("recipes")
     names = [line.split()[0] for line in out.stdout.splitlines()]
     assert out.returncode == 0 and "default" in names and names == sorted(names)
+    described = {line.split()[0]: line.split(None, 1)[1] for line in out.stdout.splitlines()}
+    # default's first sentence runs over two comment lines of its recipe
+    assert described["default"] == (
+        "The default run: a small CNN on scikit-learn's bundled 8x8 digits, read from Parquet by each worker, "
+        "on 2 CPU workers with DDP, AdamW on a cosine schedule, and an EMA of the weights."
+    )
+    assert all(text.endswith(".") for text in described.values()), described
 
 
 class _PointedDigits(DigitsTask):
