@@ -14,7 +14,15 @@ from torch import nn
 
 from raytrain_loops.engine.update.decision import Decision
 
-__all__ = ["LossFn", "LossOutput", "StepContext", "StepResult", "checked_criterion", "checked_evaluate"]
+__all__ = [
+    "LossFn",
+    "LossOutput",
+    "StepContext",
+    "StepResult",
+    "TaskReturnError",
+    "checked_criterion",
+    "checked_evaluate",
+]
 
 
 @dataclass
@@ -105,13 +113,19 @@ def _where(fn: Callable, name: str) -> str:
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):  # its values may be on a copy (the FLOP count's, on meta)
+        return f"a Tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
     text = repr(value)
     return f"a {type(value).__name__} ({text[:80]}{'...' if len(text) > 80 else ''})"
 
 
+class TaskReturnError(TypeError):
+    """A task's method returned what the engine cannot take; the message names the method."""
+
+
 def _first_checked(fn: Callable, problem: Callable[[Any], str | None], where: str) -> Callable:
     """``fn`` whose first return is checked: ``problem(out)`` says what is wrong, and a
-    ``TypeError`` names ``where`` with it. Later calls run ``fn`` as is."""
+    :class:`TaskReturnError` names ``where`` with it. Later calls run ``fn`` as is."""
     checked = False
 
     def call(*args, **kwargs):
@@ -120,7 +134,7 @@ def _first_checked(fn: Callable, problem: Callable[[Any], str | None], where: st
         if not checked:
             wrong = problem(out)
             if wrong:
-                raise TypeError(f"{where} returned {wrong}")
+                raise TaskReturnError(f"{where} returned {wrong}")
             checked = True
         return out
 
