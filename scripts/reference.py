@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 CONFIG_DOC, CLI_DOC = DOCS / "configuration.md", DOCS / "cli.md"
+SECTION = "(a section: its keys below)"
 GENERATED = "Generated from the code by `python scripts/reference.py`: edit the help strings, not this file."
 
 
@@ -44,7 +45,7 @@ def _default(value: Any) -> str:
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
     if isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
-        return ", ".join(f"`{k}`" for k in value)  # named sections: their names (each documented below)
+        return ", ".join(f"`{k}`" for k in value) + " (each below)"  # named sections: their names
     text = json.dumps(value, default=str)
     return "`" + text.replace("|", "\\|") + "`"
 
@@ -69,7 +70,7 @@ def _rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         key, tp = f"{prefix}{field.name}", hints[field.name]
         help_text = field.metadata.get("help", "")
         if dataclasses.is_dataclass(tp):
-            rows.append((key, "section", "", help_text))
+            rows.append((key, "section", SECTION, help_text))
             rows += _rows(tp, f"{key}.")
             continue
         rows.append((key, _type(tp), _field_default(field), help_text))
@@ -77,6 +78,22 @@ def _rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         item = args[-1] if args else None
         if origin in (dict, list) and item is not None and dataclasses.is_dataclass(item):
             rows += _rows(item, f"{key}.<name>." if origin is dict else f"{key}[i].")
+            if origin is dict and field.default_factory is not dataclasses.MISSING:
+                rows += _named_defaults(key, item, field.default_factory())
+    return rows
+
+
+def _named_defaults(key: str, cls: type, named: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The rows of a mapping's named entries present by default (``schedules.lr``): each one's
+    ``value`` and every key where it differs from the ``<name>`` rows' defaults."""
+    hints, plain = typing.get_type_hints(cls), cls()
+    rows = []
+    for name, entry in named.items():
+        for f in dataclasses.fields(cls):
+            value = getattr(entry, f.name)
+            if f.name == "value" or value != getattr(plain, f.name):
+                what = f"`{key}.{name}`, there by default: its {f.name} (its other keys at the `{key}.<name>` defaults)."
+                rows.append((f"{key}.{name}.{f.name}", _type(hints[f.name]), _default(value), what))
     return rows
 
 

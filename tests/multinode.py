@@ -5,7 +5,8 @@
 - A second node: ``ray start --address ... --block`` inside its own mount namespace (``unshare
   --mount --propagation private``) with private tmpfs mounts over ``/tmp`` (Ray's temp dir, the
   head's directories, pytest's ``tmp_path``) and over the home cache (``~/.cache/raytrain_loops``):
-  it sees none of the head's files, only the installed code. Ray talks over loopback.
+  it sees none of the head's files, only the checkout and its venv (bound back where ``/tmp``
+  hides them). Ray talks over loopback.
 - Shared storage: a real S3 API (moto's server) holding the bucket ``runs``; run directories and
   data the second node must read go there.
 
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 HOME_CACHE = Path.home() / ".cache" / "raytrain_loops"
@@ -93,17 +95,41 @@ def http_get(url: str, token: str | None) -> tuple[int, bytes]:
         return 0, b""
 
 
-# The second node's start, run by `sh` in its own mount namespace: tmpfs over /tmp and each
-# directory given, the token written into the new /tmp (the head's copy is hidden), then Ray.
+# The second node's start, run by `sh` in its own mount namespace: each directory to keep (before
+# the first "--") opened, tmpfs over /tmp and each directory to hide (before the second), the kept
+# ones bound back from their open descriptors (their paths now lead into the tmpfs), the token
+# written into the new /tmp (the head's copy is hidden), then Ray.
 _PRIVATE_MOUNTS = """set -e
+fd=3 kept=""
+while [ "$1" != "--" ]; do eval "exec $fd<\\"\\$1\\""; kept="$kept$fd $1
+"; fd=$((fd + 1)); shift; done
+shift
 mount -t tmpfs rtl-tmp /tmp
 while [ "$1" != "--" ]; do mkdir -p "$1"; mount -t tmpfs rtl-private "$1"; shift; done
 shift
+printf %s "$kept" | while read -r n path; do mkdir -p "$path"; mount -c --bind "/proc/self/fd/$n" "$path"; done
+n=3; while [ "$n" -lt "$fd" ]; do eval "exec $n<&-"; n=$((n + 1)); done
 printf %s "$RTL_TOKEN" > /tmp/ray-token
 export RAY_AUTH_TOKEN_PATH=/tmp/ray-token
 unset RTL_TOKEN
 exec "$@"
 """
+
+
+def kept(paths: list[str | Path], hidden: list[str]) -> list[str]:
+    """Of ``paths`` (the checkout, its venv, the interpreter's), those the second node's mounts
+    would hide (under ``/tmp`` or a ``hidden`` directory), outermost only: bound back for it."""
+    covers = [Path("/tmp"), *map(Path, hidden)]
+    found = {Path(p).resolve() for p in paths}
+    under = [p for p in found if any(p.is_relative_to(c) for c in covers)]
+    return sorted(str(p) for p in under if not any(p != q and p.is_relative_to(q) for q in under))
+
+
+def private_mounts(keep: list[str], hidden: list[str]) -> list[str]:
+    """The command prefix that runs a command in its own mount namespace, ``hidden`` and ``/tmp``
+    hidden, ``keep`` still reached."""
+    namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_MOUNTS, "sh"]
+    return [*namespace, *keep, "--", *hidden, "--"]
 
 
 @dataclass
@@ -179,8 +205,8 @@ class Cluster:
         args += ["--temp-dir=/tmp/ray", *(f"--{name}={free_port()}" for name in names)]
         env = {**self.env, "RTL_TOKEN": self.token, SECOND_NODE_ENV: "1"}
         env.pop("RAY_AUTH_TOKEN_PATH")
-        namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _PRIVATE_MOUNTS, "sh"]
-        self.second = Node(args, env, self.root / log_name, prefix=[*namespace, *self.hidden, "--"])
+        keep = kept([ROOT, sys.prefix, sys.base_prefix], self.hidden)
+        self.second = Node(args, env, self.root / log_name, prefix=private_mounts(keep, self.hidden))
         self.wait_nodes(2)
         return self.second
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raytrain_loops.engine.coalesce import Coalescing
+from raytrain_loops.engine.coalesce import Coalescing, skipping_note
 from raytrain_loops.engine.loop import Callback, Position
 from tests import fakes
 from tests.gloo import run_gloo
@@ -58,8 +58,8 @@ class SlowlyTaken(fakes.RecordingReporter):
         self.left -= 1
         return self.left >= 0
 
-    def skipped(self, last_sent, step):
-        self.told.append((last_sent, step))
+    def skipped(self, last_sent, step, checkpoint=False):
+        self.told.append((last_sent, step, checkpoint))
 
 
 class NoticeAt(Callback):
@@ -97,8 +97,20 @@ def test_the_loop_skips_periodic_reports_in_flight_still_evaluates_and_sends_the
     # carries the latest.
     assert counting.calls["on_eval"] == 6 and counting.calls["before_checkpoint"] == 3
     assert [r["metrics"]["evaluated_step"] for r in reporter.reports] == [2, 6, 12]
-    # Told once, at the first skip, of the last report sent.
-    assert reporter.told == [(2, 4)]
+    # Told once, at the first skip (a checkpoint's), of the last report sent.
+    assert reporter.told == [(2, 4, True)]
+
+
+def test_the_note_says_what_was_skipped_and_why_not_a_gap_between_two_cadences_as_a_frequency():
+    # A checkpoint every 10 steps and an epoch's evaluation at 12: the evaluation's report skipped.
+    note = skipping_note(10, 12, 0.5)
+    assert note.startswith(
+        "the report due at step 12 was skipped: the one of step 10 was still on its way to Ray's controller, "
+        "which takes one report per 0.5 s. While one is in flight, a periodic report"
+    ), note
+    assert "every 2 steps" not in note and "come faster" not in note
+    assert skipping_note(11, 12, 2.0, checkpoint=True).startswith("the checkpoint due at step 12 was skipped: ")
+    assert note.endswith("this is said once (run.coalesce_reports=false keeps them all)")
 
 
 def test_with_coalescing_off_every_report_goes_out_in_flight_or_not():

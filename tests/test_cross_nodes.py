@@ -11,6 +11,7 @@ checkpoints in ``best/``, and a rerun of the finished run that trains and writes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -148,3 +149,32 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     again, _ = _train(cluster, home, *images)  # finished: nothing trained, nothing written
     assert again.returncode == 0 and "already finished at step 12" in again.stdout + again.stderr, again.stderr
     assert _files(run) == files
+
+
+def test_the_second_nodes_mounts_hide_the_heads_files_but_keep_the_checkout_and_its_venv_under_tmp(tmp_path):
+    """The second node's mount namespace, around a small stand-in for the venv's ``ray`` in a
+    checkout under ``tmp_path`` (``/tmp``, as a checkout there is): it runs, and reaches the
+    checkout but not the head's files beside it nor the hidden home cache."""
+    from tests.multinode import _outside_tmp, kept, private_mounts
+
+    checkout = tmp_path / "checkout"
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / "code.py").write_text("code")
+    rows = tmp_path / "data" / "rows.parquet"  # the head's data
+    rows.parent.mkdir()
+    rows.write_text("rows")
+    cache = tmp_path / "home" / ".cache"
+    cache.mkdir(parents=True)
+    (cache / "staged").write_text("staged")
+    probes = [checkout / "code.py", rows, cache / "staged", "/tmp/ray-token"]
+    ray = checkout / ".venv" / "bin" / "ray"
+    ray.write_text("#!/bin/sh\n" + "".join(f'[ -e "{p}" ] && echo "sees {p}" || echo "not {p}"\n' for p in probes))
+    ray.chmod(0o755)
+    hidden = sorted({str(cache), *_outside_tmp(tempfile.gettempdir())})
+    keep = kept([checkout, checkout / ".venv", "/usr"], hidden)
+    assert keep == [str(checkout.resolve())]  # the outermost of what /tmp or a hidden directory covers
+    env = {**os.environ, "RTL_TOKEN": "token"}
+    out = subprocess.run([*private_mounts(keep, hidden), str(ray)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    said = ["sees", "not", "not", "sees"]
+    assert out.stdout.splitlines() == [f"{w} {p}" for w, p in zip(said, probes, strict=True)], out.stdout

@@ -1,5 +1,5 @@
 """The driver's checks at the edges, in process: a task's overridden methods checked against the
-``Task`` signatures before any data is prepared, and ``data.materialize=auto`` decided on the
+``Task`` signatures before any data is prepared, splits that cannot be read by index refused, and ``data.materialize=auto`` decided on the
 columns' size in memory, read from the Parquet footers."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from examples.custom_task import CONFIG, SpiralTask
-from raytrain_loops import ConfigError
+from raytrain_loops import ConfigError, MapSplit
 from raytrain_loops.config import load_config
-from raytrain_loops.driver.preflight import prepare
+from raytrain_loops.driver.preflight import DataError, prepare
 
 
 class PreparedTask(SpiralTask):
@@ -123,3 +125,44 @@ def test_materialize_auto_decides_on_the_columns_size_in_memory_read_from_the_fo
     assert not trainer.hold_in_memory(split, config)
     monkeypatch.setattr(trainer, "MATERIALIZE_BELOW_BYTES", 8 << 20)
     assert trainer.hold_in_memory(split, config)
+
+
+class _Rows(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+@pytest.mark.parametrize(
+    "train,said",
+    [
+        (
+            lambda d: DataLoader(d, batch_size=64),
+            "split 'train' is a DataLoader, which a split cannot be: the engine shuffles, shards and "
+            "batches the rows itself, and resumes an epoch exactly where it stopped by reading rows by their index. "
+            "Pass the loader's dataset and collate_fn in a MapSplit: MapSplit(loader.dataset, "
+            "collate_fn=loader.collate_fn)",
+        ),
+        (
+            lambda d: MapSplit(DataLoader(d, batch_size=64)),
+            "split 'train': MapSplit's dataset is a DataLoader, which a split cannot be: ",
+        ),
+        (
+            lambda d: MapSplit(_Rows()),
+            "split 'train': MapSplit's dataset is an iterable dataset (_Rows), which a split cannot be: the engine shuffles, "
+            "shards and batches the rows itself, and resumes an epoch exactly where it stopped by reading rows by "
+            "their index, which an iterable cannot do. Pass indexable data (a Dataset with __len__ and "
+            "__getitem__, in a MapSplit), or write its rows to Parquet once in Task.prepare",
+        ),
+        (lambda d: _Rows(), "split 'train' is an iterable dataset (_Rows), which a split cannot be: "),
+        (lambda d: MapSplit(iter(d)), "split 'train': MapSplit's dataset (iterator) has no __len__ and __getitem__: "),
+    ],
+)
+def test_a_split_that_cannot_be_read_by_index_is_refused_saying_what_to_pass_instead(train, said):
+    class Wrapped(SpiralTask):
+        def splits(self, data_dir):
+            return {**super().splits(data_dir), "train": train(super().splits(data_dir)["train"].dataset)}
+
+    with pytest.raises(DataError) as err:
+        prepare(load_config(CONFIG), Wrapped())
+    assert str(err.value).startswith(said), str(err.value)
+    assert str(err.value).endswith("(the inputs a split accepts: docs/your-task.md, 'Data')")

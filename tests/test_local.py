@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoints_without_importing_ray(tmp_path, capsys):
+def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoints_without_importing_ray(
+    tmp_path, capsys
+):
     out = _cli(
         "train",
         "default",
@@ -102,11 +105,16 @@ def _export_takes_a_run_directory_its_best_and_the_ema(run: Path, best: str, cap
     assert f"exporting {run / 'best' / best} (the run's best by its score metric)" in said
     assert state["counters"]["step"] == ckpt.step_of(best)
     state, said = exported(str(run / "checkpoint_00000126"), "--ema")
-    assert "the EMA's weights as model" in said and all(torch.equal(state["model"][k], newest["ema"][k]) for k in newest["ema"])
+    assert "the EMA's weights as model" in said and all(
+        torch.equal(state["model"][k], newest["ema"][k]) for k in newest["ema"]
+    )
     torn = run / "checkpoint_00000126" / ckpt.STATE
     torn.write_bytes(torn.read_bytes()[:100])
     state, said = exported(str(run))
-    assert f"exporting {run / 'checkpoint_00000084'} (the run's newest intact checkpoint; passed over: checkpoint_00000126" in said
+    assert (
+        f"exporting {run / 'checkpoint_00000084'} (the run's newest intact checkpoint; passed over: checkpoint_00000126"
+        in said
+    )
 
 
 class BrokenCriterion(DigitsTask):
@@ -124,12 +132,59 @@ def test_an_error_in_the_criterion_is_raised_here_with_the_criterions_frame_on_t
     top = raised.traceback[-1]
     assert top.name == "criterion" and Path(top.path) == Path(__file__)
 
-    out = _cli("train", "default", "--local", "task.name=tests.test_local:BrokenCriterion", f"run.storage_path={tmp_path}")
+    out = _cli(
+        "train", "default", "--local", "task.name=tests.test_local:BrokenCriterion", f"run.storage_path={tmp_path}"
+    )
     assert out.returncode == 1
     trace = out.stderr.strip().splitlines()
     assert trace[-1].startswith("raytrain-loops: train failed: ValueError: logits and targets disagree")
     frames = [line for line in trace if line.lstrip().startswith('File "')]
     assert 'test_local.py", line' in frames[-1] and frames[-1].endswith("in criterion")  # the task's frame, last
+
+
+class BareLoss(DigitsTask):
+    """Digits whose criterion returns the loss tensor itself."""
+
+    def criterion(self, model, batch, ctx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+
+class BareMetrics(DigitsTask):
+    """Digits whose evaluation returns a metric without its count."""
+
+    def evaluate(self, model, batch):
+        x, y = batch
+        return {"accuracy": (model(x).argmax(1) == y).float().mean()}
+
+
+def test_a_criterion_or_evaluation_returning_the_wrong_thing_is_named_at_its_first_call(tmp_path):
+    config = {
+        "task": {"name": "digits"},
+        "scaling": {"num_workers": 0},
+        "loop": {"max_steps": 2},
+        "eval": {"every_steps": 1},
+        "run": {"storage_path": str(tmp_path)},
+    }
+    line = BareLoss.criterion.__code__.co_firstlineno
+    with pytest.raises(TypeError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the FLOP count before the first step raises it, not a warning
+        fit(config, task=BareLoss())
+    assert str(raised.value) == (
+        f"BareLoss.criterion ({__file__}:{line}) returned a Tensor of shape () (float32); "
+        "a criterion must return raytrain_loops.LossOutput(loss=..., sample_size=...), e.g. LossOutput(loss=loss, "
+        "sample_size=len(targets)) (loss: the micro-batch's mean under loss.reduction=mean, its sum under sum; "
+        "sample_size: the samples or tokens it covers)"
+    )
+    line = BareMetrics.evaluate.__code__.co_firstlineno
+    with pytest.raises(TypeError) as raised:
+        fit(config, task=BareMetrics())
+    assert re.fullmatch(
+        rf"BareMetrics\.evaluate \({re.escape(__file__)}:{line}\) returned a dict \(\{{'accuracy': tensor\(0\.\d+\)\}}\), "
+        r"whose 'accuracy' is a Tensor of shape \(\) \(float32\), not a \(value, count\) pair; evaluate must return a "
+        r"mapping of metric name to \(value, count\), e.g\. \{'accuracy': \(correct / n, n\)\}",
+        str(raised.value),
+    ), str(raised.value)
 
 
 @pytest.mark.parametrize(

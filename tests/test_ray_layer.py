@@ -279,11 +279,12 @@ def test_ctrl_c_ends_the_run_naming_its_last_checkpoint_and_the_command_that_res
     assert f"resume it with the same command: raytrain-loops {shlex.join(args)}" in err
     assert "Traceback" not in err
     assert "Started a local Ray" in (run_dir / "ray.log").read_text() and "Started a local Ray" not in out + err
-    (note,) = [line for line in out.splitlines() if "come faster than Ray registers them" in line]
+    (note,) = [line for line in out.splitlines() if "was still on its way to Ray's controller" in line]
     assert re.fullmatch(
-        r"checkpoints and reports every (step|\d+ steps) come faster than Ray registers them \(one per 0\.5 s\): a "
-        r"periodic one is skipped while the one before is in flight, never the final one or a preemption's "
-        r"\(run\.coalesce_reports=false keeps them all\)",
+        r"the checkpoint due at step (\d+) was skipped: the one of step (\d+) was still on its way to Ray's "
+        r"controller, which takes one report per 0\.5 s\. While one is in flight, a periodic report, evaluation's "
+        r"or checkpoint's, is skipped \(the next one due goes out; the final one and a preemption's never are\); "
+        r"this is said once \(run\.coalesce_reports=false keeps them all\)",
         note,
     ), note
     deadline = time.monotonic() + 30  # nothing of the run left running
@@ -352,10 +353,17 @@ def test_a_sigterm_while_the_run_trains_is_an_interruption_naming_its_last_compl
     assert not (run_dir / "driver.lock").exists()
 
 
-def test_recipes_lists_the_built_ins():
+def test_recipes_lists_the_built_ins_each_with_its_whole_first_sentence():
     out = _cli("recipes")
     names = [line.split()[0] for line in out.stdout.splitlines()]
     assert out.returncode == 0 and "default" in names and names == sorted(names)
+    described = {line.split()[0]: line.split(None, 1)[1] for line in out.stdout.splitlines()}
+    # default's first sentence runs over two comment lines of its recipe
+    assert described["default"] == (
+        "The default run: a small CNN on scikit-learn's bundled 8x8 digits, read from Parquet by each worker, "
+        "on 2 CPU workers with DDP, AdamW on a cosine schedule, and an EMA of the weights."
+    )
+    assert all(text.endswith(".") for text in described.values()), described
 
 
 class _PointedDigits(DigitsTask):

@@ -23,12 +23,22 @@ def test_the_generated_references_are_up_to_date():
 
 def test_the_configuration_reference_names_every_key_with_its_default():
     text = reference.configuration_reference()
-    documented = dict(re.findall(r"^\| `([^`]+)` \| [^|]+ \| ([^|]*) \|", text, re.M))
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]*) \|", text, re.M)
+    documented = {key: default for key, _, default in rows}
     for key, value in flatten(to_dict(Config())).items():
+        # A named schedule's key (schedules.lr.value) has its own row where its default is not the
+        # schedules.<name> rows' (those of a Schedule), and always its value.
         generic = re.sub(r"^schedules\.[^.]+\.", "schedules.<name>.", key)
-        assert generic in documented, key
-        if generic == key:  # a named schedule's rows give the Schedule's defaults, not the recipe's
-            assert documented[key].strip() == "`" + json.dumps(value).replace("|", "\\|") + "`", key
+        shown = documented.get(key, documented.get(generic))
+        assert shown is not None, key
+        assert shown.strip() == "`" + json.dumps(value).replace("|", "\\|") + "`", key
+    for name, value in (("lr", "0.001"), ("weight_decay", "0.0"), ("ema_momentum", "0.999")):
+        assert documented[f"schedules.{name}.value"].strip() == f"`{value}`"
+    # A section's row and a required key's say so instead of a default.
+    for key, tp, default in rows:
+        if tp.strip() == "section":
+            assert default.strip() == reference.SECTION, key
+    assert documented["fault.plan[i].step"].strip() == "(required)"
 
 
 def test_the_cli_reference_names_every_verb_and_flag():

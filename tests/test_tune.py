@@ -18,7 +18,16 @@ import yaml
 
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.config.sweep import load_sweep
+from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
+from raytrain_loops.tasks import DigitsTask
+
+
+class DigitsThroughPreprocess(DigitsTask):
+    """Digits whose rows pass, unchanged, through ``preprocess``: read by preprocessing tasks."""
+
+    def preprocess(self, batch, train):
+        return {k: v for k, v in batch.items() if k != ROW_SEED}
 
 
 @pytest.mark.parametrize(
@@ -125,11 +134,11 @@ def _mlflow_runs(store: Path) -> dict[str, tuple[str, str]]:
 
 
 def _interrupt_and_rerun(
-    command: list[str], sweep_dir: Path, env: dict[str, str], store: Path
+    command: list[str], sweep_dir: Path, env: dict[str, str], store: Path, rerun_env: dict[str, str]
 ) -> tuple[str, dict[str, tuple[str, str]], subprocess.CompletedProcess]:
     """Run the sweep's command, Ctrl-C it once its first trial has written its final checkpoint
-    and its third has started its Train run, then run the same command again to its end: the
-    first command's output, the MLflow runs it left, the second command."""
+    and its third has started its Train run, then run the same command again to its end (in
+    ``rerun_env``): the first command's output, the MLflow runs it left, the second command."""
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 600  # three Train runs' starts, on a loaded machine
     started = sweep_dir / "trial_00002" / "config.yaml"  # written once the trial's MLflow run is open
@@ -149,7 +158,7 @@ def _interrupt_and_rerun(
     assert not (sweep_dir / "best.yaml").exists() and not (sweep_dir / "results.csv").exists()
     assert "best: " not in interrupted
     between = _mlflow_runs(store)
-    second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=rerun_env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return interrupted, between, second
 
@@ -159,8 +168,10 @@ def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe
     """`raytrain-loops tune` over examples/sweep.yaml's space with Optuna's TPE and ASHA, one trial
     at a time: a good rate, then a poor one that ASHA stops at its rung, then Optuna's own
     proposal, during which Ctrl-C stops the sweep; the same command finishes it without rerunning
-    the trials that had ended. Both commands join the session's Ray (``RAY_ADDRESS``, as on a
-    cluster): the trials of the interrupted one end with its job."""
+    the trials that had ended. The first command joins the session's Ray (``RAY_ADDRESS``, as on a
+    cluster): its trials end with its job. The second starts a local Ray of its own, sized by
+    ``tune`` for a trial and its preprocessing: the task reads its rows through ``preprocess``, in
+    tasks of 2 CPUs each (more than the one CPU a local Ray once left beside a trial)."""
     example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "sweep.yaml").read_text())
     assert example["search"]["algorithm"] == "optuna"
     good, poor = 3.0e-3, 1.0e-4  # the poor rate is the space's lowest
@@ -188,10 +199,12 @@ def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe
     command = [
         sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=60",
         f"data.dir={tmp_path / 'data'}", f"logging.mlflow.tracking_uri={store}", "--sweep", str(sweep_file),
+        "task.name=tests.test_tune:DigitsThroughPreprocess", "data.preprocess.num_cpus=2",
     ]  # fmt: skip
     sweep_dir = tmp_path / "sweeps" / "asha"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
-    interrupted, between, second = _interrupt_and_rerun(command, sweep_dir, env, store)
+    local = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    interrupted, between, second = _interrupt_and_rerun(command, sweep_dir, env, store, local)
 
     # A sweep's console is a run's: the trials' lines, a resumed one's too; Ray's own output, Tune's
     # box and its TensorBoard hint into Ray's temporary directory among it, in the sweep's ray.log.
@@ -203,6 +216,7 @@ def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe
         for ray_only in ("Configuration for experiment", "tensorboard --logdir", "PlacementGroupCleaner", "\x1b["):
             assert ray_only not in console, (ray_only, console[-3000:])
     assert "Configuration for experiment" in (sweep_dir / "ray.log").read_text()
+    assert "Started a local Ray" in (sweep_dir / "ray.log").read_text()  # the second command's
 
     table = pd.read_csv(sweep_dir / "results.csv")
     assert len(table) == 3 and (table["error"].isna()).all(), table
@@ -332,3 +346,44 @@ def test_each_trial_gets_the_sweeps_scaling_and_storage_as_typed_values(tmp_path
     with pytest.raises(ConfigError) as info:
         load_sweep(_sweep(tmp_path, space={"accum.steps": {"choice": [1]}}, trial={"num_workers": 0}), base)
     assert info.value.key == "trial.num_workers"
+
+
+@pytest.mark.ray
+def test_a_sweep_whose_trial_and_its_preprocessing_the_cluster_cannot_hold_is_refused_before_any_trial(
+    ray_session, tmp_path
+):
+    """The session's Ray has 4 CPUs: a trial of 2 workers of 1.5 CPUs, with a preprocessing task
+    of 1 CPU beside each, and its driver's 0.25, does not fit. Without ``preprocess`` it does."""
+    from raytrain_loops import tune
+    from raytrain_loops.sweeps.resources import concurrency
+
+    sweep = _sweep(tmp_path, name="big", max_concurrent_trials=0, space={"schedules.lr.value": {"choice": [1.0e-3]}})
+    sweep["trial"] = {"num_workers": 2, "cpus_per_worker": 1.5}
+    overrides = [f"data.dir={tmp_path / 'data'}", "task.name=tests.test_tune:DigitsThroughPreprocess"]
+    with pytest.raises(ConfigError) as info:
+        tune(resolve("default"), sweep, overrides=overrides)
+    assert info.value.key == "trial"
+    assert str(info.value).startswith(
+        "trial: one trial needs 5.25 CPUs (0.25 for its driver, 3 for its 2 workers, 2 for their preprocessing "
+        "at data.preprocess.num_cpus=1 each), but the cluster has 4"
+    ), str(info.value)
+    assert not list((tmp_path / "sweeps").glob("big/trial_*"))
+    # Trials at once leave each its preprocessing: 4 CPUs hold two of 0.25 + 0.5 + 1, not four.
+    assert concurrency(load_sweep({**_sweep(tmp_path), "max_concurrent_trials": 0, "space": sweep["space"]},
+                                  load_config(resolve("default"))), 1.75) == 2  # fmt: skip
+
+
+def test_a_failed_trials_error_is_copied_into_its_trial_directory_and_named(tmp_path, capsys):
+    from raytrain_loops.sweeps.tune import TrialLines
+
+    class Failed:  # what the callback reads of Tune's trial
+        trial_id, experiment_tag = "5f1e2_00001", "1_lr=0.1"
+        error_file = str(tmp_path / "session" / "driver_artifacts" / "error.txt")
+
+    Path(Failed.error_file).parent.mkdir(parents=True)
+    Path(Failed.error_file).write_text("Traceback ...\nValueError: logits and targets disagree\n")
+    sweep_dir = tmp_path / "sweeps" / "lr"
+    TrialLines(None, "eval_accuracy", 60, str(sweep_dir)).on_trial_error(0, [], Failed())
+    copied = sweep_dir / "trial_00001" / "error.txt"
+    assert copied.read_text().endswith("ValueError: logits and targets disagree\n")
+    assert capsys.readouterr().out == f"trial_00001 failed; its error: {copied}\n"

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config.engine import ThroughputConfig
-from raytrain_loops.engine.api import LossFn, StepContext, StepResult
+from raytrain_loops.engine.api import LossFn, StepContext, StepResult, TaskReturnError
 from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Callback
@@ -197,6 +197,8 @@ class Throughput(Callback):
                 try:
                     self.flops_per_sample = self._count(batch, device)
                     return
+                except TaskReturnError:  # the task's mistake, not the count's: the run stops on it
+                    raise
                 except Exception as err:
                     error = err
         finally:

@@ -62,7 +62,9 @@ class SweepConfig:
     metric: str = opt("eval_accuracy", "The reported metric to optimise (aggregated over all workers).")
     mode: Literal["max", "min"] = opt("max", "Maximise or minimise the metric.")
     num_samples: int = opt(4, "Trials to draw (each grid point this many times).")
-    max_concurrent_trials: int = opt(0, "Trials at once; 0: as many as the cluster's CPUs (or GPUs) hold.")
+    max_concurrent_trials: int = opt(
+        0, "Trials at once; 0: as many as the cluster's CPUs (or GPUs) hold, each with its workers' preprocessing."
+    )
     search: SearchConfig = opt(SearchConfig(), "Search algorithm.")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), "Trial scheduler.")
     trial: ScalingConfig = opt(

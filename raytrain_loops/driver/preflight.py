@@ -251,9 +251,10 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
         if isinstance(split, ParquetSplit):
             rows[name] = check_parquet(name, split)
         elif isinstance(split, MapSplit):
-            rows[name] = len(split.dataset)
+            rows[name] = map_rows(name, split)
         else:
-            raise DataError(f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
+            refused = unaccepted(f"split '{name}'", split)
+            raise DataError(refused or f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
         if rows[name] == 0:
             raise DataError(f"split '{name}' holds no rows")
         if name != "train" and getattr(split, "batch_sampler", None) is not None:
@@ -275,6 +276,47 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
     if config.accum.micro_batch == "auto":
         check_splittable(config, task, splits, rows)
     return task, splits, rows
+
+
+INDEXED = (
+    "the engine shuffles, shards and batches the rows itself, and resumes an epoch exactly where it "
+    "stopped by reading rows by their index"
+)
+ACCEPTED = "(the inputs a split accepts: docs/your-task.md, 'Data')"
+
+
+def unaccepted(subject: str, data: Any) -> str | None:
+    """The refusal of ``data``, a split or a MapSplit's dataset (``subject`` names which), that is a
+    DataLoader or an iterable dataset, saying what to pass instead; None for anything else."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(data, DataLoader):
+        return (
+            f"{subject} is a DataLoader, which a split cannot be: {INDEXED}. Pass the loader's "
+            "dataset and collate_fn in a MapSplit: MapSplit(loader.dataset, collate_fn=loader.collate_fn) "
+            f"(a batch sampler of its own: MapSplit(..., batch_sampler=...)) {ACCEPTED}"
+        )
+    if isinstance(data, IterableDataset):
+        return (
+            f"{subject} is an iterable dataset ({type(data).__name__}), which a split cannot be: {INDEXED}, which an "
+            "iterable cannot do. Pass indexable data (a Dataset with __len__ and __getitem__, in a MapSplit), "
+            "or write its rows to Parquet once in Task.prepare (e.g. pyarrow.parquet.write_table("
+            f"pyarrow.Table.from_pylist(list(iterable)), path)) and return ParquetSplit(path, columns) {ACCEPTED}"
+        )
+    return None
+
+
+def map_rows(name: str, split: MapSplit) -> int:
+    """The rows of a map-style split; refused, saying what to pass instead, when its dataset is
+    not indexable (a DataLoader, an iterable)."""
+    data = split.dataset
+    subject = f"split '{name}': MapSplit's dataset"
+    refused = unaccepted(subject, data)
+    if refused is None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        refused = f"{subject} ({type(data).__name__}) has no __len__ and __getitem__: a MapSplit reads rows by index {ACCEPTED}"
+    if refused:
+        raise DataError(refused)
+    return len(data)
 
 
 def check_splittable(config: Config, task: Task, splits: dict[str, Any], rows: dict[str, int]) -> None:

@@ -4,7 +4,8 @@ what it may read; ``LossFn``, its signature; and :class:`StepResult`, the outcom
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,15 @@ from torch import nn
 
 from raytrain_loops.engine.update.decision import Decision
 
-__all__ = ["LossFn", "LossOutput", "StepContext", "StepResult"]
+__all__ = [
+    "LossFn",
+    "LossOutput",
+    "StepContext",
+    "StepResult",
+    "TaskReturnError",
+    "checked_criterion",
+    "checked_evaluate",
+]
 
 
 @dataclass
@@ -95,6 +104,74 @@ class StepContext:
 
 
 LossFn = Callable[[nn.Module, Any, StepContext], LossOutput]
+
+
+def _where(fn: Callable, name: str) -> str:
+    """``name`` and where its code is, ``MyTask.criterion (mytask.py:31)``, for a user to find it."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return f"{name} ({inspect.getsourcefile(code) or code.co_filename}:{code.co_firstlineno})" if code else name
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):  # its values may be on a copy (the FLOP count's, on meta)
+        return f"a Tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text[:80]}{'...' if len(text) > 80 else ''})"
+
+
+class TaskReturnError(TypeError):
+    """A task's method returned what the engine cannot take; the message names the method."""
+
+
+def _first_checked(fn: Callable, problem: Callable[[Any], str | None], where: str) -> Callable:
+    """``fn`` whose first return is checked: ``problem(out)`` says what is wrong, and a
+    :class:`TaskReturnError` names ``where`` with it. Later calls run ``fn`` as is."""
+    checked = False
+
+    def call(*args, **kwargs):
+        nonlocal checked
+        out = fn(*args, **kwargs)
+        if not checked:
+            wrong = problem(out)
+            if wrong:
+                raise TaskReturnError(f"{where} returned {wrong}")
+            checked = True
+        return out
+
+    return call
+
+
+def checked_criterion(fn: LossFn, name: str) -> LossFn:
+    """The task's criterion ``fn`` (``name``: ``MyTask.criterion``), its first return checked to
+    be a :class:`LossOutput`: anything else stops the run there, naming the criterion, what it
+    returned and what it must return."""
+
+    def problem(out: Any) -> str | None:
+        if isinstance(out, LossOutput):
+            return None
+        return (
+            f"{_shown(out)}; a criterion must return raytrain_loops.LossOutput(loss=..., sample_size=...), "
+            "e.g. LossOutput(loss=loss, sample_size=len(targets)) (loss: the micro-batch's mean under "
+            "loss.reduction=mean, its sum under sum; sample_size: the samples or tokens it covers)"
+        )
+
+    return _first_checked(fn, problem, _where(fn, name))
+
+
+def checked_evaluate(fn: Callable, name: str) -> Callable:
+    """The task's ``evaluate`` ``fn``, its first return checked to be a mapping of metric name to
+    ``(value, count)``."""
+
+    def problem(out: Any) -> str | None:
+        must = "; evaluate must return a mapping of metric name to (value, count), e.g. {'accuracy': (correct / n, n)}"
+        if not isinstance(out, Mapping):
+            return _shown(out) + must
+        for key, pair in out.items():
+            if not isinstance(key, str) or not isinstance(pair, tuple | list) or len(pair) != 2:
+                return f"{_shown(dict(out))}, whose {key!r} is {_shown(pair)}, not a (value, count) pair{must}"
+        return None
+
+    return _first_checked(fn, problem, _where(fn, name))
 
 
 @dataclass

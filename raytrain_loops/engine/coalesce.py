@@ -38,3 +38,16 @@ class Coalescing:
             return True
         self.skipped += 1
         return False
+
+
+def skipping_note(last_sent: int | None, step: int, poll_s: float, checkpoint: bool = False) -> str:
+    """The console's one line on the first periodic report skipped while one was in flight: what
+    was skipped (``checkpoint``: the report was to carry one) and why."""
+    what = "the checkpoint" if checkpoint else "the report"
+    before = "an earlier one" if last_sent is None else f"the one of step {last_sent}"
+    return (
+        f"{what} due at step {step} was skipped: {before} was still on its way to Ray's controller, which "
+        f"takes one report per {poll_s:g} s. While one is in flight, a periodic report, evaluation's or "
+        "checkpoint's, is skipped (the next one due goes out; the final one and a preemption's never are); "
+        "this is said once (run.coalesce_reports=false keeps them all)"
+    )

@@ -78,8 +78,8 @@ class Reporter(Protocol):
     with ``checkpoint`` (the data position after this step) it also saves the engine's state.
     A reporter whose reports are taken one at a time may also have ``in_flight()`` (whether one
     of its reports is not taken yet: the loop then skips periodic ones,
-    :mod:`raytrain_loops.engine.coalesce`) and ``skipped(last_sent, step)``, told of the first
-    report skipped."""
+    :mod:`raytrain_loops.engine.coalesce`) and ``skipped(last_sent, step, checkpoint=...)``, told of
+    the first report skipped (whether it was to carry a checkpoint)."""
 
     def report(self, metrics: dict[str, float], checkpoint: Position | None) -> None: ...
 
@@ -404,7 +404,7 @@ class Loop:
     ) -> None:
         engine = self.engine
         sent = self.coalescing.goes_out(engine.step, final=done, forced=forced, in_flight=self._in_flight)
-        checkpoint_now = checkpoint_now and sent
+        skipped_checkpoint, checkpoint_now = checkpoint_now and not sent, checkpoint_now and sent
         evaluating = evaluate_now and self.source.has_eval
         if evaluating or checkpoint_now:  # a checkpoint without an evaluation holds rank 0's
             sync_buffers(engine, self.settings.bn_buffers if evaluating else "broadcast")
@@ -422,7 +422,7 @@ class Loop:
         if not sent:
             tell = getattr(self.reporter, "skipped", None)
             if self.coalescing.skipped == 1 and tell is not None:
-                tell(self.coalescing.last_sent, engine.step)
+                tell(self.coalescing.last_sent, engine.step, checkpoint=skipped_checkpoint)
             return
         # Every report carries the latest evaluation, so a sweep's metric is in each of them.
         metrics = {**self.metrics, **self.last_epoch, **({"done": 1.0} if done else {}), **self.last_eval}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -26,8 +27,15 @@ def resolve(recipe: str) -> Path:
 
 
 def describe(path: Path) -> str:
-    """The first comment line of a recipe, as its one-line description."""
+    """The first sentence of a recipe's opening comment (which may run over several lines), as its
+    description."""
+    lines: list[str] = []
     for line in path.read_text().splitlines():
-        if line.startswith("#") and line.strip("# "):
-            return line.strip("# ").strip()
-    return ""
+        text = line.lstrip("#").strip()
+        if not line.startswith("#") or (not text and lines):
+            break
+        if text:
+            lines.append(text)
+    paragraph = " ".join(lines)
+    first = re.match(r".+?[.!?](?=\s|$)", paragraph)
+    return first.group(0) if first else paragraph

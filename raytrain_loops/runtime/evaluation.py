@@ -16,6 +16,7 @@ import torch
 
 from raytrain_loops.config import Config
 from raytrain_loops.engine import Engine
+from raytrain_loops.engine.api import checked_evaluate
 from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import evaluate, sync_buffers
@@ -70,7 +71,8 @@ def evaluate_checkpoint(
     sync_buffers(engine, config.eval.bn_buffers)
     stream = source.batches("eval", engine.epoch)
     try:
-        metrics = evaluate(engine, stream, task.evaluate, config.eval.ema, task.eval_metrics)
+        checked = checked_evaluate(task.evaluate, f"{type(task).__name__}.evaluate")
+        metrics = evaluate(engine, stream, checked, config.eval.ema, task.eval_metrics)
     finally:
         closer = getattr(stream, "close", None)
         if callable(closer):

@@ -26,6 +26,7 @@ from raytrain_loops.callbacks.throughput import Throughput, plain_copy
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine, unwrap
+from raytrain_loops.engine.api import checked_criterion, checked_evaluate
 from raytrain_loops.engine.length import accum_steps, epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
 from raytrain_loops.engine.rng import seed_everything
@@ -130,10 +131,12 @@ def callbacks(
     total: int,
     plain: torch.nn.Module,
     loaded: dict | None,
+    criterion: Any,
 ):
     """The loop callbacks of a run: the run log (keeping of the earlier attempts' files what
     the restore, ``loaded``, says), the spike guard, faults, throughput (its FLOPs counted on
-    ``plain``, the model as the task built it), the profiler and, when tracked, MLflow."""
+    ``plain``, the model as the task built it, with ``criterion``, the task's), the profiler and,
+    when tracked, MLflow."""
     config, task = payload.config, payload.task
     log = RunLog(
         payload.run_dir,
@@ -153,7 +156,7 @@ def callbacks(
         log,
         SpikeGuard(config.spike),
         faults,
-        Throughput(config.logging.throughput, engine, task.criterion, counts, plain),
+        Throughput(config.logging.throughput, engine, criterion, counts, plain),
     ]
     callbacks.append(Profile(config.logging.profile, payload.run_dir, rank, engine.device))
     if payload.tracking is not None:
@@ -236,13 +239,14 @@ def wire(
     source = batches(task, config, payload.splits, payload.rows, rank, world)
     scale = config.scaling.workers / world  # > 1 when an elastic group runs short
     faults = Faults(config.fault.plan, rank, run_dir)
+    criterion = checked_criterion(task.criterion, f"{type(task).__name__}.criterion")
     engine = task_engine(
         task,
         model,
         config,
         source.batches_per_epoch,
         scale=scale,
-        criterion=faults.wrap_loss(task.criterion),
+        criterion=faults.wrap_loss(criterion),
         groups=groups,
         ema_module=ema_module,
     )
@@ -252,6 +256,7 @@ def wire(
     micro_batches(engine, run_dir, rank, sender)
     if rank == 0:
         announce_start(made, engine, config, world, scale, sender, run_dir)
-    cbs = callbacks(payload, engine, faults, sender, rank, world, engine.total_steps, plain, made.loaded)
-    loop = Loop(engine, source, made, LoopSettings.of(config), task.evaluate, cbs, scale, task.eval_metrics)
+    cbs = callbacks(payload, engine, faults, sender, rank, world, engine.total_steps, plain, made.loaded, criterion)
+    evaluate = checked_evaluate(task.evaluate, f"{type(task).__name__}.evaluate")
+    loop = Loop(engine, source, made, LoopSettings.of(config), evaluate, cbs, scale, task.eval_metrics)
     return Wired(engine, loop, made, position)

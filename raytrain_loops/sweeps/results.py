@@ -1,5 +1,6 @@
 """What a finished sweep leaves: ``results.csv``, the printed table, ``best.yaml`` (a recipe that
-``raytrain-loops train`` accepts) and ``metric_per_trial.png``."""
+``raytrain-loops train`` accepts) and ``metric_per_trial.png``; a failed trial's ``error.txt`` in
+its trial's directory."""
 
 from __future__ import annotations
 
@@ -45,6 +46,24 @@ def unended(results) -> set[str]:
     those a Ctrl-C stopped (Tune ends them as a scheduler's stop, but their last result is not
     marked done)."""
     return {storage.name(r.path) for r in results if r.error is None and not (r.metrics or {}).get("done")}
+
+
+def copy_error(error_file: str | None, sweep_dir: str | None, trial: str) -> str:
+    """A failed trial's error file (in Ray's session directory, on the driver) copied into the
+    trial's own directory of the sweep, as ``error.txt``: where it is now ('?' when Ray kept none)."""
+    if not error_file:
+        return "?"
+    if sweep_dir is None:
+        return error_file
+    dest = storage.join(sweep_dir, trial, "error.txt")
+    try:
+        with open(error_file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        storage.make_dirs(storage.join(sweep_dir, trial))
+        storage.write_text(dest, text)
+    except OSError:  # the copy is a convenience: Ray's own file is still there
+        return error_file
+    return dest
 
 
 def complete_stopped_runs(results, sweep_dir: str) -> None:

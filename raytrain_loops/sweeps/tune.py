@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -34,19 +33,19 @@ from raytrain_loops.config.sweep import SweepConfig, load_sweep, trial_config
 from raytrain_loops.console.capture import Console
 from raytrain_loops.driver.fit import write_config, write_summary
 from raytrain_loops.driver.preflight import planned_steps, prepare
-from raytrain_loops.driver.ray_start import ensure_ray
 from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
+from raytrain_loops.sweeps.resources import DRIVER_CPUS, concurrency, start_ray
 from raytrain_loops.sweeps.results import (
     SweepInterrupted,
     SweepResult,
     complete_stopped_runs,
+    copy_error,
     unended,
     write_outputs,
 )
 from raytrain_loops.tasks import Task
 
-DRIVER_CPUS = 0.25  # the per-trial driver function only waits on its TorchTrainer
 CLEANER_LINE_S = 1.0  # an actor's last line reaches the driver within this, once the actor has ended
 
 
@@ -202,25 +201,6 @@ def _trial_name(trial) -> str:
     return f"trial_{int(trial.experiment_tag.split('_', 1)[0]) - 1:05d}"
 
 
-def _per_trial_cpus(sweep: SweepConfig) -> float:
-    t = sweep.trial
-    return (0 if t.use_gpu else t.num_workers * t.cpus_per_worker) + DRIVER_CPUS
-
-
-def _concurrency(sweep: SweepConfig) -> int:
-    """``max_concurrent_trials``, or as many trials as the cluster's GPUs (or CPUs, one left to
-    preprocessing) hold at once."""
-    import ray
-
-    if sweep.max_concurrent_trials:
-        return sweep.max_concurrent_trials
-    resources = ray.cluster_resources()
-    t = sweep.trial
-    if t.use_gpu:
-        return max(1, int(resources.get("GPU", 0) // t.num_workers))
-    return max(1, math.floor((resources.get("CPU", 1) - 1) / _per_trial_cpus(sweep)))
-
-
 def sweep_name(base: Config, sweep: SweepConfig, task: Task) -> str:
     """``sweep.name``, or the task's name and a hash of the recipe (its run section aside) and the
     sweep: the same command maps to the same sweep directory, so a rerun resumes it."""
@@ -275,9 +255,10 @@ class TrialLines:
     to the display of the sweep running now (``shown_on``)."""
 
     shown_on = None  # the display of the sweep running in this process
+    sweep_dir = None  # where a failed trial's error is copied (its trial's directory)
 
-    def __init__(self, display, metric: str, length: int):
-        self.display, self.metric, self.length = display, metric, length
+    def __init__(self, display, metric: str, length: int, sweep_dir: str | None = None):
+        self.display, self.metric, self.length, self.sweep_dir = display, metric, length, sweep_dir
 
     def _line(self, text: str) -> None:
         display = self.display or TrialLines.shown_on
@@ -300,20 +281,21 @@ class TrialLines:
         self._line(f"{_trial_name(trial)} {how} at step {step}: {self._metric(last)}")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._line(f"{_trial_name(trial)} failed; its error: {trial.error_file or '?'}")
+        name = _trial_name(trial)
+        self._line(f"{name} failed; its error: {copy_error(trial.error_file, self.sweep_dir, name)}")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "display": None}
 
 
-def trial_lines(display, metric: str, length: int):
+def trial_lines(display, metric: str, length: int, sweep_dir: str | None = None):
     """:class:`TrialLines` as a ``ray.tune.Callback``."""
     from ray import tune as rt
 
     class Lines(TrialLines, rt.Callback):
         pass
 
-    return Lines(display, metric, length)
+    return Lines(display, metric, length, sweep_dir)
 
 
 class _Decisions(logging.Handler):
@@ -351,12 +333,13 @@ def _cleaners_done(timeout_s: float = 15.0) -> None:
     time.sleep(CLEANER_LINE_S)  # its last line, on its way from the actor's log file
 
 
-def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int, callbacks=None, verbose: bool = False):
+def _tuner(
+    trainable, sweep: SweepConfig, name: str, root: str, length: int, at_once: int, callbacks=None, verbose=False
+):
     from ray import tune as rt
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    concurrency = _concurrency(sweep)
-    search = _search(sweep, concurrency)
+    search = _search(sweep, at_once)
     return rt.Tuner(
         trainable,
         param_space=_space(sweep),
@@ -366,7 +349,7 @@ def _tuner(trainable, sweep: SweepConfig, name: str, root: str, length: int, cal
             num_samples=sweep.num_samples,
             scheduler=_scheduler(sweep, length),
             search_alg=search,
-            max_concurrent_trials=None if isinstance(search, BasicVariantGenerator) else concurrency,
+            max_concurrent_trials=None if isinstance(search, BasicVariantGenerator) else at_once,
             # A stopped trial's actor must go, taking its Ray Train run (which it owns) with it;
             # a reused actor would keep that run's workers and their resources.
             reuse_actors=False,
@@ -408,8 +391,7 @@ def tune(
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "600")
     verbose = config.logging.verbose
     with Console(sweep_dir, verbose) as console:
-        # A local Ray holds the trials asked to run at once (logical CPUs may exceed the cores).
-        ensure_ray(base, num_cpus=sweep.max_concurrent_trials * _per_trial_cpus(sweep) + 1)
+        per_trial = start_ray(base, sweep, task, splits)
         console.divert_forwarded()
         from ray import tune as rt
 
@@ -427,8 +409,9 @@ def tune(
                 print(f"resuming the sweep in {sweep_dir}", flush=True)
                 tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
             else:
-                lines = [trial_lines(console.display, sweep.metric, length)]
-                tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, length, lines, verbose)
+                lines = [trial_lines(console.display, sweep.metric, length, sweep_dir)]
+                at_once = concurrency(sweep, per_trial)
+                tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, length, at_once, lines, verbose)
             with console.prints_to_log():
                 results = tuner.fit()
                 _cleaners_done()

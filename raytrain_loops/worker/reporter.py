@@ -13,6 +13,7 @@ import ray.train
 
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine
+from raytrain_loops.engine.coalesce import skipping_note
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.restore import candidates
@@ -20,17 +21,6 @@ from raytrain_loops.worker.batches import PREPROCESSED_ON
 
 POLL_S_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train's controller polls its workers this often
 RAY_POLL_S = 2.0  # Ray's default
-
-
-def skipping_note(last_sent: int | None, step: int, poll_s: float) -> str:
-    """The console's one line on the first periodic report skipped while one was in flight."""
-    gap = step - last_sent if last_sent is not None else None
-    every = f"at step {step}" if gap is None else "every step" if gap == 1 else f"every {gap} steps"
-    return (
-        f"checkpoints and reports {every} come faster than Ray registers them (one per {poll_s:g} s): a periodic "
-        "one is skipped while the one before is in flight, never the final one or a preemption's "
-        "(run.coalesce_reports=false keeps them all)"
-    )
 
 
 class RayReporter(CheckpointReporter):
@@ -55,10 +45,12 @@ class RayReporter(CheckpointReporter):
         except (ImportError, AttributeError, RuntimeError):
             return False
 
-    def skipped(self, last_sent: int | None, step: int) -> None:
-        """The loop skipped its first report (every worker's reporter is told): rank 0 says so."""
+    def skipped(self, last_sent: int | None, step: int, checkpoint: bool = False) -> None:
+        """The loop skipped its first report (every worker's reporter is told; ``checkpoint``: it
+        was to carry one): rank 0 says so."""
         if self.rank == 0 and self.sender is not None:
-            self.sender.send("start", skipping_note(last_sent, step, float(os.environ.get(POLL_S_ENV, RAY_POLL_S))))
+            poll_s = float(os.environ.get(POLL_S_ENV, RAY_POLL_S))
+            self.sender.send("start", skipping_note(last_sent, step, poll_s, checkpoint))
 
     def report(self, metrics: dict[str, Any], checkpoint: Position | None) -> None:
         """``ray.train.report`` on every worker; with a checkpoint when ``checkpoint`` (the data
