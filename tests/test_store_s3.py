@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import yaml
@@ -188,3 +189,73 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
     assert yaml.safe_load(storage.read_text(storage.join(sweep_dir, "best.yaml")))["schedules"]["lr"]["value"] == 0.01
     assert "trial_00001" in storage.read_text(storage.join(sweep_dir, "results.csv"))
     assert not any(Path(tmp_path).iterdir())  # nothing written to a local directory named "s3:"
+
+
+@pytest.fixture
+def throttled(s3_server):
+    """A proxy in front of the moto server (tests/store_proxy.py) and a prefix in the bucket through it."""
+    from tests.store_proxy import ThrottlingProxy
+
+    proxy = ThrottlingProxy(s3_server)
+    prefix = uuid.uuid4().hex[:8]
+    through = f"s3://runs/{prefix}?endpoint_override={proxy.endpoint}&scheme=http&region=us-east-1"
+    # Written straight to the server (the proxy forwards plain requests only), read through the proxy.
+    yield proxy, through, pafs.FileSystem.from_uri(f"s3://runs?endpoint_override={s3_server}&scheme=http&region=us-east-1")[0], f"runs/{prefix}"
+    proxy.close()
+
+
+def test_a_parquet_read_survives_a_store_that_throttles_and_names_the_file_when_it_never_stops(throttled, monkeypatch):
+    """The plan's reader (data/parquet.py) under 503 SlowDown answers: pyarrow's own retries give
+    up first (2 attempts a request here), then the reader opens the file again with backoff. A store
+    that keeps answering 503 stops the read naming the file, the row group and the answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_loops.data import parquet
+
+    proxy, root, fs, base = throttled
+    pq.write_table(pa.table({"id": np.arange(1000)}), f"{base}/train/part-0.parquet", filesystem=fs, row_group_size=250)
+    index = parquet.index_split(storage.join(root, "train"), ["id"])
+    pieces = np.array([[0, g, 0, 250] for g in range(4)], dtype=np.int64)
+
+    # pyarrow's own retries of a request: 2 attempts here (its default makes many more, with backoff).
+    index.filesystem = pafs.S3FileSystem(
+        endpoint_override=proxy.endpoint,
+        scheme="http",
+        region="us-east-1",
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+    )
+    proxy.fail("part-0.parquet", 7)  # more than pyarrow's attempts of one request, three times over
+    reader = parquet.Reader(index)
+    assert np.array_equal(reader.read(pieces)["id"], np.arange(1000))
+    reader.close()
+    assert proxy.failed == 7
+    print(f"survived {proxy.failed} answers of 503 SlowDown")
+
+    monkeypatch.setattr(parquet, "RETRY_BASE_S", 0.01)
+    proxy.fail("part-0.parquet", 10_000)
+    reader = parquet.Reader(index)
+    with pytest.raises(OSError) as caught:
+        reader.read(pieces)
+    reader.close()
+    text = str(caught.value)
+    assert text.startswith(f"reading row group 0 of {index.files[0]} after {parquet.READ_ATTEMPTS} attempts: ")
+    assert "SLOW_DOWN" in text or "503" in text
+    assert proxy.failed >= parquet.READ_ATTEMPTS
+
+
+def test_a_permanent_store_error_is_not_tried_again(throttled):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_loops.data import parquet
+
+    proxy, root, fs, base = throttled
+    pq.write_table(pa.table({"id": np.arange(10)}), f"{base}/t/part-0.parquet", filesystem=fs)
+    index = parquet.index_split(storage.join(root, "t"), ["id"])
+    fs.delete_file(f"{base}/t/part-0.parquet")
+    before = proxy.forwarded
+    with pytest.raises(OSError, match=r"^reading row group 0 of .*part-0.parquet: ") as caught:
+        parquet.Reader(index).read(np.array([[0, 0, 0, 10]], dtype=np.int64))
+    assert "after" not in str(caught.value).split(":")[0]
+    assert proxy.forwarded - before <= 3  # one attempt (pyarrow's own request, no retry of ours)

@@ -35,7 +35,9 @@ row gets the same augmentation in an epoch whatever the group size or a resume.
 from __future__ import annotations
 
 import queue
+import random
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,9 +205,41 @@ def row_seeds(seed: int, epoch: int, pieces: np.ndarray) -> np.ndarray:
     return h
 
 
+READ_ATTEMPTS = 6
+"""Attempts at reading a row group whose store answers with a transient error (beyond pyarrow's own
+retries of each request)."""
+
+RETRY_BASE_S = 0.25
+"""The first wait before a read is tried again; it doubles at each attempt, with jitter."""
+
+TRANSIENT = (
+    "SLOW_DOWN",
+    "SlowDown",
+    "HTTP status 503",
+    "HTTP status 500",
+    "SERVICE_UNAVAILABLE",
+    "INTERNAL_FAILURE",
+    "NETWORK_CONNECTION",
+    "Connection reset",
+    "connection reset",
+    "Broken pipe",
+    "timed out",
+)
+"""What a store's answer says when trying again may succeed: throttling, a 503 or 500, a dropped
+connection. Anything else (a missing file, a denied request, a damaged footer) fails at once."""
+
+
+def transient(err: BaseException) -> bool:
+    """Whether ``err`` is a store's answer that a later attempt may not meet."""
+    text = str(err)
+    return isinstance(err, (ConnectionError, TimeoutError)) or any(t in text for t in TRANSIENT)
+
+
 class Reader:
     """Reads pieces of a split with pyarrow, each row group at most once per call, from the files
-    or from ``index.table`` when the split is held in memory. ``rows_read`` counts the rows
+    or from ``index.table`` when the split is held in memory. A transient error of the store is
+    tried again with backoff (:data:`READ_ATTEMPTS`); any other, or the last, is an ``OSError``
+    naming the file, the row group and the store's answer. ``rows_read`` counts the rows
     pyarrow decoded from the files (whole row groups)."""
 
     def __init__(self, index: SplitIndex):
@@ -225,21 +259,32 @@ class Reader:
     def _group(self, f: int, g: int) -> Any:
         if self._table is not None:
             return self._table.slice(self._offsets[(f, g)], self.index.row_groups[f][g])
-        import pyarrow.parquet as pq
-
         path = self.index.files[f]
-        try:
-            if f not in self._files:
-                if len(self._files) >= 8:
-                    self._files.pop(next(iter(self._files))).close()
-                self._files[f] = pq.ParquetFile(self.index.filesystem.open_input_file(path))
-            # One thread: the read-ahead thread already overlaps it with the step, and Arrow's
-            # pool would take CPUs from the step's own threads.
-            group = self._files[f].read_row_group(g, columns=self.index.columns, use_threads=False)
-        except Exception as err:  # pyarrow's errors do not always say which file
-            raise OSError(f"reading row group {g} of {path}: {err}") from err
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                group = self._read_group(f, g)
+                break
+            except Exception as err:  # pyarrow's errors do not always say which file
+                handle = self._files.pop(f, None)  # opened afresh on the next attempt
+                if handle is not None:
+                    handle.close()
+                if not transient(err) or attempt == READ_ATTEMPTS:
+                    tries = f" after {attempt} attempts" if attempt > 1 else ""
+                    raise OSError(f"reading row group {g} of {path}{tries}: {err}") from err
+                time.sleep(RETRY_BASE_S * 2 ** (attempt - 1) * (1 + random.random()))
         self.rows_read += group.num_rows
         return group
+
+    def _read_group(self, f: int, g: int) -> Any:
+        import pyarrow.parquet as pq
+
+        if f not in self._files:
+            if len(self._files) >= 8:
+                self._files.pop(next(iter(self._files))).close()
+            self._files[f] = pq.ParquetFile(self.index.filesystem.open_input_file(self.index.files[f]))
+        # One thread: the read-ahead thread already overlaps it with the step, and Arrow's
+        # pool would take CPUs from the step's own threads.
+        return self._files[f].read_row_group(g, columns=self.index.columns, use_threads=False)
 
     def read(self, pieces: np.ndarray) -> dict[str, np.ndarray]:
         """The rows of ``pieces`` in the pieces' order, as column name -> NumPy array (lists and
