@@ -11,17 +11,24 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
+import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from raytrain_loops.config import load_config
+from raytrain_loops.config import ConfigError, load_config
+from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.driver.preflight import prepare
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.devices import copied_ahead, pins
+from raytrain_loops.engine.distributed.sharding import prepare_model
+from raytrain_loops.engine.loop import Callback
 from raytrain_loops.engine.optim.optimizer import adam_kernel
 from raytrain_loops.recipes import resolve
 from raytrain_loops.runtime import local
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
+from raytrain_loops.tasks.lm import IGNORE, LMTask
 from tests import fakes
 
 TINY = [
@@ -41,6 +48,7 @@ TINY = [
     "checkpoint.every_steps=0",
     "run.report_every_steps=1000",
 ]
+GENERATED = {"data": "generated", "vocab": 512, "dim": 32, "layers": 1, "heads": 2, "max_len": 64, "max_tokens": 256}
 READS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__", "__index__")
 HOOKS = ("before_step", "on_step", "checkpoint_now", "interval_meters", "interval_metrics", "on_interval")
 
@@ -176,3 +184,88 @@ def test_adam_runs_fused_on_cuda_foreach_elsewhere_and_a_checkpoint_keeps_this_d
     assert {(g["fused"], g["foreach"]) for g in engine.optimizer.param_groups} == {(False, True)}
     engine.train_step([(x, y)])
     assert engine.step == 2 and np.isfinite(engine.meters.reduce()["loss"])
+
+
+class _Graphs(Callback):
+    """The graphs dynamo has built, after each update."""
+
+    def __init__(self):
+        self.after: list[int] = []
+
+    def on_step(self, result, step, epoch):
+        self.after.append(counters["stats"]["unique_graphs"])
+
+
+def _graphs_over_30_updates(tmp_path: Path, packing: str) -> list[int]:
+    torch._dynamo.reset()
+    counters.clear()
+    wired = _wired(
+        tmp_path,
+        "loop.max_steps=30",
+        f"task.params.packing={packing}",
+        "compile.enabled=true",
+        "compile.backend=eager",
+        "compile.dynamic=null",
+        "logging.throughput.enabled=false",
+    )
+    graphs = _Graphs()
+    wired.loop.callbacks.append(graphs)
+    wired.loop.run(wired.position)
+    assert wired.engine.step == 30
+    return graphs.after
+
+
+def test_fixed_packing_gives_one_shape_and_the_compiled_step_builds_no_graph_after_its_first_3_updates(tmp_path):
+    """The lm_gpt recipe compiled block by block (dynamo's graphs captured, ``backend=eager``):
+    with fixed packing every micro-batch is ``max_tokens`` tokens of one shape and no graph is
+    built after the first 3 updates of 30; variable packing's shapes keep building them."""
+    fixed = _graphs_over_30_updates(tmp_path / "fixed", "fixed")
+    assert fixed[0] >= 1 and fixed[2] == fixed[-1], fixed
+    variable = _graphs_over_30_updates(tmp_path / "variable", "variable")
+    assert variable[-1] > variable[2], variable
+
+
+
+def test_a_fixed_batch_holds_whole_sequences_in_rows_of_max_len_and_each_sees_only_itself(tmp_path):
+    """Every batch of the split is ``(max_tokens / max_len, max_len)``, the split's tokens all
+    there once; a sequence's logits in a packed row are those of the sequence alone."""
+    params = {**GENERATED, "packing": "fixed", "tokens": 5000}
+    task = LMTask(**params)
+    task.prepare(tmp_path)
+    table = pq.read_table(task.splits(tmp_path)["train"].path).to_pydict()
+    batches = [
+        task.collate({"tokens": np.array([t], object), "lengths": np.array([ls], object)})
+        for t, ls in zip(table["tokens"], table["lengths"], strict=True)
+    ]
+    assert {tuple(b[0].shape) for b in batches} == {tuple(b[3].shape) for b in batches} == {(4, 64)}
+    assert sum(b[2] for b in batches) == 5000 == sum(int((b[1] != IGNORE).sum()) for b in batches)
+    assert max(int((b[3] > 0).sum(1).min()) for b in batches) > 32  # rows are filled, not one sequence each
+
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    inputs, targets, _, documents = batches[0]
+    with torch.no_grad():
+        packed = model(inputs, documents)
+        for row in range(inputs.shape[0]):
+            for doc in documents[row].unique().tolist():
+                at = (documents[row] == doc).nonzero().flatten()
+                if doc == 0:
+                    continue
+                alone = model(inputs[row, at][None])[0]  # the sequence by itself, causal attention only
+                torch.testing.assert_close(packed[row, at], alone, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match=r"task\.params\.max_tokens.*multiple of task\.params\.max_len=64"):
+        LMTask(**{**params, "max_tokens": 100})
+    with pytest.raises(ConfigError, match=r"task\.params\.compile.*compile\.scope=model"):
+        LMTask(**{**params, "compile": True})
+
+
+def test_compile_scope_model_compiles_the_whole_model_and_needs_no_blocks():
+    model = LMTask(**GENERATED).build_model()
+    prepare_model(model, [], compile_cfg=CompileConfig(enabled=True, scope="model", backend="eager"))
+    assert model._compiled_call_impl is not None
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks)
+    with pytest.raises(ValueError, match="compile.enabled act on the task's blocks"):
+        prepare_model(model, [], compile_cfg=CompileConfig(enabled=True, backend="eager"))
+    blocks = LMTask(**GENERATED).build_model()
+    prepare_model(blocks, list(blocks.blocks), compile_cfg=CompileConfig(enabled=True, backend="eager"))
+    assert blocks._compiled_call_impl is None and all(b._compiled_call_impl is not None for b in blocks.blocks)
