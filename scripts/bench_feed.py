@@ -83,8 +83,8 @@ class Parts:
 class Clock(Callback):
     """The update period: from one update's end to the next, ``steps`` updates after ``warmup``."""
 
-    def __init__(self, parts: Parts, warmup: int):
-        self.parts, self.warmup, self.ends, self.waits = parts, warmup, [], 0.0
+    def __init__(self, parts: Parts, warmup: int, steps: int):
+        self.parts, self.warmup, self.steps, self.ends, self.waits = parts, warmup, steps, [], 0.0
 
     def on_step(self, result, step, epoch):
         sync(self.parts.device)
@@ -93,6 +93,8 @@ class Clock(Callback):
             self.parts.on = True  # the parts count from the next update on
         elif len(self.ends) > self.warmup:
             self.waits += result.data_time
+        if len(self.ends) == self.warmup + self.steps:
+            self.parts.on = False  # the run's last evaluation and checkpoint are not the update's
 
 
 def config_for(args, tmp: Path, steps: int):
@@ -137,7 +139,7 @@ def loop_run(args, tmp: Path, run: int) -> dict:
     engine._reduce = parts.timed("all-reduce and host read", engine._reduce)
     engine._apply = parts.timed("clip and optimizer", engine._apply)
     engine.train_step = parts.timed("engine", engine.train_step)
-    clock = Clock(parts, args.warmup)
+    clock = Clock(parts, args.warmup, args.steps)
     wired.loop.callbacks.append(clock)
     wired.loop.run(wired.position)
     n = args.steps
@@ -281,26 +283,35 @@ def data_part(args, tmp: Path) -> dict:
     )
     task, splits, rows = prepare(config, None)
     source = Batches(task, config, splits, rows, 0, 1, "cpu", preprocessed_here)
-    rates = []
+    rates, walls = [], []  # tokens per second of the process's CPU time (its one core's), and of wall time
     for epoch in range(args.data_epochs):
-        start, tokens = time.perf_counter(), 0
+        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
         for batch in source.batches("train", epoch):
             tokens += batch[2]
-        rates.append(tokens / (time.perf_counter() - start))
+        rates.append(tokens / (time.process_time() - cpu))
+        walls.append(tokens / (time.perf_counter() - start))
     per_token = flops_per_token(task, batch)
     need = {mfu: mfu * H100_BF16_TFLOPS * 1e12 / per_token for mfu in (0.35, 0.45)}
     steady = statistics.median(rates[1:]) if len(rates) > 1 else rates[0]
     print(
         f"\nthe lm path, read plus collate on one core ({args.data_tokens:,} tokens, vocab {task.vocab}, "
-        f"{task.max_tokens // task.max_len} x {task.max_len} a batch): first pass {rates[0]:,.0f} tokens/s, "
-        f"steady {steady:,.0f} (passes {', '.join(f'{r:,.0f}' for r in rates[1:])})"
+        f"{task.max_tokens // task.max_len} x {task.max_len} a batch), tokens per CPU-second: first pass "
+        f"{rates[0]:,.0f}, steady {steady:,.0f} (passes {', '.join(f'{r:,.0f}' for r in rates[1:])}); "
+        f"per wall second, the core shared with whatever else runs: {', '.join(f'{r:,.0f}' for r in walls)}"
     )
     print(
         f"one H100 ({H100_BF16_TFLOPS} TFLOP/s dense bf16) at {per_token / 1e6:.0f} MFLOP a token needs "
         f"{need[0.35]:,.0f} tokens/s at 35% MFU, {need[0.45]:,.0f} at 45%: one core gives "
         f"{steady / need[0.35]:.1f}x / {steady / need[0.45]:.1f}x"
     )
-    return {"first": rates[0], "steady": steady, "passes": rates, "flops_per_token": per_token, "need": need}
+    return {
+        "first": rates[0],
+        "steady": steady,
+        "passes": rates,
+        "wall": walls,
+        "flops_per_token": per_token,
+        "need": need,
+    }
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The engine on CUDA: the LM recipe's model through the loop under NCCL in bf16 and fp16 (DDP,
-FSDP, FSDP with regional compilation), the fp16 loss scaler on a real overflow, and a bit-exact
-resume of the CUDA RNG.
+FSDP, FSDP with regional compilation), the fp16 loss scaler on a real overflow, a bit-exact resume of
+the CUDA RNG, pinned batches of both kinds of split, the next batch's copy beside the step, and
+AdamW's fused kernel.
 
 Skipped where no GPU is present (the project's CI machines); run on a GPU machine with
 ``python -m pytest -m gpu``. The process-group tests run on every GPU of the machine (one
