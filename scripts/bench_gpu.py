@@ -22,7 +22,10 @@ dense bf16/fp16 peak from the table below (``--peak-tflops`` overrides it).
 
 ``--strategies ddp fsdp`` prints a second table instead: the ``lm_gpt`` recipe's model on every
 GPU of the machine (one process each, NCCL), wrapped in DDP or sharded by FSDP2, with regional
-compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak.
+compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak, each step
+fed as a worker feeds it (the Parquet batches read and collated, pinned, the next copied to the
+GPU beside the step) and the share of the time spent waiting for them; ``--packing`` overrides the
+recipe's (``fixed``).
 ``--device cpu`` runs that table's code on gloo CPU processes with the recipe's task at a small
 width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of the lm_gpt step (docs/benchmarks.md, "Feeding the step"), in at most 8 minutes
 # on one H100 or H200, each part under its own time limit:
-#   1. the gpu-marked tests (pinned batches, the copy ahead, fused AdamW, the lm recipe under NCCL, ...);
-#   2. the step's parts on lm_gpt at full size, as the loop runs it, beside a bare loop (scripts/bench_feed.py);
-#   3. lm_gpt's tokens/s and MFU under DDP and FSDP2, compile off and on, each with its data wait share
-#      (scripts/bench_gpu.py --strategies).
+#   1. the step's parts on lm_gpt at full size, as the loop runs it, beside a bare loop (scripts/bench_feed.py);
+#   2. lm_gpt's tokens/s and MFU under DDP and FSDP2, compile off and on, each with its data wait share
+#      (scripts/bench_gpu.py --strategies);
+#   3. the gpu-marked tests (pinned batches, the copy ahead, fused AdamW, the lm recipe under NCCL, ...).
 # Everything printed also goes to $OUT/gpu_check.txt (a temporary directory when OUT is unset), and
 # bench_feed.py's figures to $OUT/bench_feed_full_cuda.json. PYTHON picks the interpreter (python3).
 set -uo pipefail
@@ -21,6 +21,10 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check.sh: no CUDA device ($PY: torch.cuda.is_available() is False, or torch is missing); nothing was run" | tee -a "$log" >&2
     exit 2
 fi
+if ! "$PY" -c 'import pyarrow, pytest, raytrain_loops.runtime.local' 2>>"$log"; then
+    echo "gpu_check.sh: $PY cannot import the project and its test needs (pyarrow, pytest; see $log); nothing was run" | tee -a "$log" >&2
+    exit 2
+fi
 "$PY" -c 'import torch; print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")' | tee -a "$log"
 
 status=0
@@ -35,10 +39,10 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
     [ "$rc" -eq 0 ] || status=1
 }
 
-part "gpu-marked tests" 180 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider
-part "the step's parts, lm_gpt at full size (3 runs)" 90 \
+part "the step's parts, lm_gpt at full size (3 runs)" 75 \
     "$PY" scripts/bench_feed.py --size full --device cuda --parts step --runs 3 --steps 10 --warmup 3
-part "lm_gpt: DDP and FSDP2, compile off and on" 180 \
-    "$PY" scripts/bench_gpu.py --strategies ddp fsdp --compiles off on --warmup 5 --steps 15 --batches 40
+part "lm_gpt: DDP and FSDP2, compile off and on" 200 \
+    "$PY" scripts/bench_gpu.py --strategies ddp fsdp --compiles off on --warmup 3 --steps 10 --batches 30
+part "gpu-marked tests" 175 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_memory_plan.py -p no:cacheprovider
 echo "figures: $log" | tee -a "$log"
 exit "$status"
