@@ -22,7 +22,10 @@ dense bf16/fp16 peak from the table below (``--peak-tflops`` overrides it).
 
 ``--strategies ddp fsdp`` prints a second table instead: the ``lm_gpt`` recipe's model on every
 GPU of the machine (one process each, NCCL), wrapped in DDP or sharded by FSDP2, with regional
-compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak.
+compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak, each step
+fed as a worker feeds it (the Parquet batches read and collated, pinned, the next copied to the
+GPU beside the step) and the share of the time spent waiting for them; ``--packing`` overrides the
+recipe's (``fixed``).
 ``--device cpu`` runs that table's code on gloo CPU processes with the recipe's task at a small
 width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 
@@ -45,7 +48,10 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_loops.config import load_config
+from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.engine import Engine
+from raytrain_loops.engine.devices import to_device
+from raytrain_loops.engine.distributed.sharding import prepare_model
 from raytrain_loops.engine.update import precision
 from raytrain_loops.engine.update.precision import DTYPES
 from raytrain_loops.recipes import resolve
@@ -86,13 +92,13 @@ def peak_tflops(override: float | None) -> float:
 class Bare:
     """The same update written by hand."""
 
-    def __init__(self, task: LMTask, dtype: str, lr: float):
+    def __init__(self, task: LMTask, dtype: str, lr: float, compiled: bool = False):
         torch.manual_seed(0)
         self.task, self.dtype = task, DTYPES[dtype]
-        self.model = task.build_model().cuda()
+        self.model = whole_model(task, compiled).cuda()
         self.params = list(self.model.parameters())
-        # foreach, the default on CUDA, as the engine's optimizer (fused=False alone would turn it off too)
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        # fused, as the engine's optimizer on CUDA
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
         self.scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
 
     def step(self, batch) -> None:
@@ -110,10 +116,18 @@ class Bare:
 
 
 class EngineRunner:
-    def __init__(self, task: LMTask, dtype: str, lr: float):
+    def __init__(self, task: LMTask, dtype: str, lr: float, compiled: bool = False):
         torch.manual_seed(0)
         cfg = load_config(resolve("lm"), [f"precision.dtype={dtype}", f"schedules.lr.value={lr}"])
-        self.engine = Engine(task.build_model().cuda(), task.criterion, cfg.engine, total_steps=10**6)
+        self.engine = Engine(whole_model(task, compiled).cuda(), task.criterion, cfg.engine, total_steps=10**6)
+
+
+def whole_model(task: LMTask, compiled: bool) -> torch.nn.Module:
+    """The task's model, compiled whole (``compile.scope=model``, dynamic shapes) when ``compiled``."""
+    model = task.build_model()
+    cfg = CompileConfig(enabled=compiled, scope="model", dynamic=True)
+    prepare_model(model, task.blocks(model), compile_cfg=cfg)
+    return model
 
     def step(self, batch) -> None:
         self.engine.train_step([batch])
@@ -166,19 +180,18 @@ def load_batches(task: LMTask, data_dir: Path, device: str = "cuda") -> list:
     out = []
     for tokens, lengths in zip(table["tokens"], table["lengths"], strict=True):
         row = {"tokens": np.array([tokens], dtype=object), "lengths": np.array([lengths], dtype=object)}
-        inputs, targets, n = task.collate(row)
-        out.append((inputs.to(device), targets.to(device), n))
+        out.append(to_device(task.collate(row), torch.device(device)))
     return out
 
 
 def measure(size: str, dtype: str, args, data_dir: Path, peak: float) -> dict:
     params = task_params(size, args.batches)
-    task = LMTask(**params, compile=args.compile)
+    task = LMTask(**params)
     batches = load_batches(task, data_dir)[: args.batches]
     tokens = sum(b[2] for b in batches) / len(batches)
     flops = flops_per_step(LMTask(**params), batches)
     lr = 6e-3 if size == "small" else 6e-4
-    bare, engine = Bare(task, dtype, lr), EngineRunner(task, dtype, lr)
+    bare, engine = Bare(task, dtype, lr, args.compile), EngineRunner(task, dtype, lr, args.compile)
     # Warm-up over every batch the timing uses: the first step of each shape picks kernels (and,
     # compiled, recompiles), which would otherwise fall on whichever runner meets the shape first.
     for runner in (bare, engine):
@@ -215,12 +228,18 @@ def measure(size: str, dtype: str, args, data_dir: Path, peak: float) -> dict:
 
 def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     """One process of the strategy table: the recipe's model under DDP or FSDP on this rank's
-    device, ``spec["steps"]`` timed engine steps after a warm-up; rank 0 writes the result."""
+    device, ``spec["steps"]`` timed engine steps after a warm-up, fed as a worker feeds them (the
+    Parquet batches read and collated, pinned on CUDA, the next copied ahead beside the step),
+    the time waiting for them apart; rank 0 writes the result."""
     import json
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raytrain_loops.engine.distributed.sharding import prepare_model, shard
+    from raytrain_loops.driver.preflight import prepare
+    from raytrain_loops.engine.devices import copied_ahead
+    from raytrain_loops.engine.distributed.sharding import shard
+    from raytrain_loops.engine.loop import timed_groups
+    from raytrain_loops.runtime.batches import Batches, preprocessed_here
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = spec["device"] == "cuda"
@@ -234,10 +253,13 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
             f"precision.dtype={spec['dtype']}",
             f"scaling.strategy={spec['strategy']}",
             f"compile.enabled={spec['compile']}",
+            f"data.dir={spec['data_dir']}",
+            *(f"task.params.{k}={v}" for k, v in spec["params"].items()),
         ],
     )
-    task = LMTask(**spec["params"])
-    batches = load_batches(task, Path(spec["data_dir"]), str(device))[rank::world][: spec["batches"]]
+    task, splits, rows = prepare(cfg, None)
+    source = Batches(task, cfg, splits, rows, rank, world, device, preprocessed_here)
+    stream = copied_ahead(timed_groups((b for e in range(10**6) for b in source.batches("train", e)), 1), device)
     torch.manual_seed(0)
     model = task.build_model().to(device)
     prepare_model(model, task.blocks(model), checkpointing=cfg.checkpointing, compile_cfg=cfg.compile)
@@ -247,27 +269,30 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
         model = DDP(model, device_ids=[rank] if cuda else None)
     engine = Engine(model, task.criterion, cfg.engine, total_steps=10**6)
 
-    def run(start: int, steps: int) -> tuple[float, float]:
+    def run(steps: int) -> tuple[float, float, float]:
         if cuda:
             torch.cuda.synchronize()
-        t, tokens = time.perf_counter(), 0
-        for s in range(start, start + steps):
-            batch = batches[s % len(batches)]
-            engine.train_step([batch])
-            tokens += batch[2]
+        t, tokens, waits = time.perf_counter(), 0, 0.0
+        for _ in range(steps):
+            start = time.perf_counter()
+            group, wait = next(stream)
+            waits += time.perf_counter() - start  # the batch's read and collate, and its copy's start
+            engine.train_step(group, data_time=wait)
+            tokens += group[0][2]
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t, tokens
+        return time.perf_counter() - t, tokens, waits
 
-    run(0, spec["warmup"])
-    seconds, tokens = run(spec["warmup"], spec["steps"])
-    totals = torch.tensor([tokens, seconds], dtype=torch.float64, device=device)
+    run(spec["warmup"])
+    seconds, tokens, waits = run(spec["steps"])
+    totals = torch.tensor([tokens, seconds, waits], dtype=torch.float64, device=device)
     dist.all_reduce(totals)  # tokens of all workers; their seconds (each worker's wall time, averaged below)
     if rank == 0:
         result = {
             "tok_s": totals[0].item() / (totals[1].item() / world),
             "step_ms": totals[1].item() / world / spec["steps"] * 1e3,
             "tokens": totals[0].item() / spec["steps"],
+            "wait_share": totals[2].item() / totals[1].item(),
             "params_m": sum(p.numel() for p in engine.module.parameters()) / 1e6,
             "mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         }
@@ -286,6 +311,7 @@ def strategy_table(args) -> None:
     world = torch.cuda.device_count() if cuda else 2
     size = "gpt2" if cuda else "cpu"
     params = task_params(size, args.batches)
+    params["packing"] = args.packing or params["packing"]
     peak = peak_tflops(args.peak_tflops) if cuda else float("nan")
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
     task = LMTask(**params)
@@ -297,7 +323,8 @@ def strategy_table(args) -> None:
     name = device_line(torch.device("cuda" if cuda else "cpu"))
     print(f"{world} x {name}, peak {peak:g} TFLOP/s dense bf16 each, torch {torch.__version__}, model {size}")
     print(
-        f"{'strategy':>8} {'compile':>7} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>7}"
+        f"{'strategy':>8} {'compile':>7} {'packing':>8} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
+        f"{'MFU':>6} {'wait':>6} {'mem GiB':>7}"
     )
     for strategy in args.strategies:
         for compiled in args.compiles:
@@ -320,8 +347,8 @@ def strategy_table(args) -> None:
             r = json.loads(out.read_text())
             mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
             print(
-                f"{strategy:>8} {compiled:>7} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} {r['step_ms']:>8.1f} "
-                f"{r['tok_s']:>10.0f} {mfu:>6.1%} {r['mem_gib']:>7.1f}",
+                f"{strategy:>8} {compiled:>7} {params['packing']:>8} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
+                f"{r['step_ms']:>8.1f} {r['tok_s']:>10.0f} {mfu:>6.1%} {r['wait_share']:>6.1%} {r['mem_gib']:>7.1f}",
                 flush=True,
             )
 
@@ -350,6 +377,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default=None, help="where the LM Parquet goes (default: a temporary directory)")
     ap.add_argument("--strategies", nargs="+", choices=["ddp", "fsdp"], help="the DDP/FSDP table on every GPU")
     ap.add_argument("--compiles", nargs="+", default=["off", "on"], choices=["off", "on"], help="for --strategies")
+    ap.add_argument("--packing", choices=["variable", "fixed"], help="for --strategies (default: the recipe's)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo check of --strategies")
     args = ap.parse_args()
     if args.strategies:

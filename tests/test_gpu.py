@@ -1,6 +1,7 @@
 """The engine on CUDA: the LM recipe's model through the loop under NCCL in bf16 and fp16 (DDP,
-FSDP, FSDP with regional compilation), the fp16 loss scaler on a real overflow, and a bit-exact
-resume of the CUDA RNG.
+FSDP, FSDP with regional compilation), the fp16 loss scaler on a real overflow, a bit-exact resume of
+the CUDA RNG, pinned batches of both kinds of split, the next batch's copy beside the step, and
+AdamW's fused kernel.
 
 Skipped where no GPU is present (the project's CI machines); run on a GPU machine with
 ``python -m pytest -m gpu``. The process-group tests run on every GPU of the machine (one
@@ -223,6 +224,56 @@ def test_map_style_batches_of_a_cuda_worker_are_pinned_and_copied_to_it():
         on_cpu = MapBatches(splits, data, 0, 0, 1, torch.device("cpu"))
         x, _ = next(iter(on_cpu.batches("train", 0)))
         assert not x.is_pinned()  # a CPU worker pins nothing
+
+
+def test_parquet_batches_of_a_cuda_worker_are_pinned_and_adam_runs_fused(tmp_path):
+    from raytrain_loops.driver.preflight import prepare
+    from raytrain_loops.runtime.batches import Batches, preprocessed_here
+
+    tiny = ["task.params.vocab=512", "task.params.dim=32", "task.params.layers=1", "task.params.heads=2"]
+    tiny += ["task.params.max_len=64", "task.params.max_tokens=256", "task.params.tokens=20000"]
+    config = load_config(resolve("lm_gpt"), [*tiny, f"data.dir={tmp_path}"])
+    task, splits, rows = prepare(config, None)
+    for device, pinned in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        batch = next(iter(Batches(task, config, splits, rows, 0, 1, device, preprocessed_here).batches("train", 0)))
+        assert [t.is_pinned() for t in batch if torch.is_tensor(t)] == [pinned] * 3, device
+    engine = Engine(task.build_model().cuda(), task.criterion, config.engine, total_steps=2)
+    assert (engine.optimizer.defaults["fused"], engine.optimizer.defaults["foreach"]) == (True, False)
+    engine.train_step([batch])
+    assert engine.step == 1
+
+
+def test_the_next_batch_is_copied_to_the_gpu_beside_the_step():
+    """Six steps of a fixed length, each using its batch (64 MiB, pinned): with the copy ahead on
+    its side stream they take about six steps and one copy (CUDA events on the step's stream);
+    with each copy on the step's stream before its step, six of each."""
+    from raytrain_loops.engine.devices import copied_ahead
+
+    dev = torch.device("cuda", 0)
+    host = [torch.full((64 * 2**20,), i, dtype=torch.uint8).pin_memory() for i in range(6)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def elapsed(work) -> float:
+        torch.cuda.synchronize()
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    copy_ms = min(elapsed(lambda: host[0].to(dev, non_blocking=True)) for _ in range(3))
+    cycles = int(1e6 * 4 * copy_ms / elapsed(lambda: torch.cuda._sleep(int(1e6))))  # a step of about 4 copies
+    seen = []
+
+    def steps(groups):
+        for (batch,), _ in groups:
+            torch.cuda._sleep(cycles)
+            seen.append(batch[:1])  # the batch, as this stream sees it after its step
+
+    ahead = elapsed(lambda: steps(copied_ahead((([t], 0.0) for t in host), dev)))
+    serial = elapsed(lambda: steps(([t.to(dev, non_blocking=True)], 0.0) for t in host))
+    assert [int(b) for b in torch.cat(seen).tolist()] == list(range(6)) * 2  # each step saw its own batch
+    assert ahead < serial - 0.5 * 5 * copy_ms, (ahead, serial, copy_ms)
 
 
 class Intervals(Callback):

@@ -417,10 +417,16 @@ class ProfileConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CompileConfig:
-    """``torch.compile`` applied to each block the task names (``Task.blocks``), in place: parameter
-    names and checkpoints stay those of the plain model, and one block's graph serves them all."""
+    """``torch.compile``, the one switch for it: each block the task names (``Task.blocks``; one
+    block's graph serves them all) or the whole model, in place: parameter names and checkpoints
+    stay those of the plain model."""
 
-    enabled: bool = opt(False, "Compile each of the task's blocks.")
+    enabled: bool = opt(False, "Compile the model, as compile.scope says.")
+    scope: Literal["blocks", "model"] = opt(
+        "blocks",
+        "blocks: each of the task's blocks (regional, one graph for them all); model: the whole model in one graph.",
+    )
+    backend: str = opt("inductor", "torch.compile backend (eager: the graphs captured, not compiled).")
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = opt(
         "default", "torch.compile mode."
     )

@@ -268,7 +268,7 @@ class Config:
     scaling: ScalingConfig = opt(ScalingConfig(), "Workers and resources.")
     run: RunConfig = opt(RunConfig(), "Storage, name and Ray reporting.")
     fault: FaultConfig = opt(FaultConfig(), "Faults injected on purpose, to test recovery.")
-    compile: CompileConfig = opt(CompileConfig(), "torch.compile of each of the task's blocks (regional).")
+    compile: CompileConfig = opt(CompileConfig(), "torch.compile of the task's blocks (regional) or of its whole model.")
     checkpointing: Literal["none", "full", "selective"] = opt(
         "none",
         "Activation checkpointing of each of the task's blocks: full recomputes a block's forward in backward; "

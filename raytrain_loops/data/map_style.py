@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_co
 
 from raytrain_loops.config.run import DataConfig
 from raytrain_loops.data.recut import Deal, recut_batches
+from raytrain_loops.engine.devices import pins
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 
@@ -109,7 +110,7 @@ class MapBatches:
     ):
         self.splits, self.data, self.seed, self.rank, self.world = splits, data, seed, rank, world
         self.has_eval = "eval" in splits
-        self.pin_memory = device is not None and torch.device(device).type == "cuda"
+        self.pin_memory = pins(device)
         self.sampler = None
         if "train" in splits:
             factory = getattr(splits["train"], "batch_sampler", None)

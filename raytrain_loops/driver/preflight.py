@@ -110,7 +110,8 @@ def check_blocks(config: Config, task: Task) -> None:
     """``compile`` and ``checkpointing`` act on the task's blocks: a task that names none is
     refused here, naming the key, rather than on every worker. The model is built on the meta
     device (no memory, no initialisation); a model that cannot be is left to the workers' check."""
-    wanted = "compile.enabled" if config.compile.enabled else "checkpointing" if config.checkpointing != "none" else ""
+    per_block = config.compile.enabled and config.compile.scope == "blocks"
+    wanted = "compile.enabled" if per_block else "checkpointing" if config.checkpointing != "none" else ""
     model = meta_model(task) if wanted else None
     if model is None:  # nothing to check, or a model built from data or files: the workers check it
         return

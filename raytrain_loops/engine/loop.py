@@ -27,7 +27,7 @@ from raytrain_loops.config.engine import AccumConfig
 from raytrain_loops.config.run import Config
 from raytrain_loops.engine.api import StepResult
 from raytrain_loops.engine.coalesce import Coalescing
-from raytrain_loops.engine.devices import to_device
+from raytrain_loops.engine.devices import copied_ahead, to_device
 from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
@@ -337,7 +337,7 @@ class Loop:
         stream = iter(self.source.batches("train", epoch, start))
         try:
             done = start // k
-            groups = timed_groups(stream, k)
+            groups = copied_ahead(timed_groups(stream, k), engine.device)  # the next group's copy beside this step
             while done < steps and engine.step < self.total:
                 group, wait = next(groups, ([], 0.0))
                 done += 1

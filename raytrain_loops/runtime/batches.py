@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig
@@ -28,6 +29,7 @@ from raytrain_loops.data.parquet import (
     windows_from,
 )
 from raytrain_loops.data.recut import Deal, RecutPlan, data_record, recut_plan, resume_point
+from raytrain_loops.engine.devices import pins
 from raytrain_loops.engine.length import accum_steps, batches_per_epoch, epochs_in_run, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.streams import close
@@ -96,6 +98,7 @@ class Batches:
         self.task, self.data, self.seed, self.rank, self.world = task, config.data, config.loop.seed, rank, world
         self.accum, self.scale = config.accum, config.scaling.workers / world  # the loop's micro-batches per update
         self.preprocessing = preprocessing
+        self.pin = pins(device)  # a CUDA worker's Parquet batches pinned after collate, as map-style ones are
         self.has_eval = "eval" in splits
         self.parquet = {name: split for name, split in splits.items() if isinstance(split, ParquetSplit)}
         maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
@@ -138,7 +141,7 @@ class Batches:
         else:
             # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
             fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
-        return sliced(fetched, size, self.task.collate, drop_last=train)
+        return sliced(fetched, size, _pinning(self.task.collate) if self.pin else self.task.collate, drop_last=train)
 
     def record(self, position: Position) -> dict[str, Any]:
         """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,
@@ -192,6 +195,12 @@ class Batches:
         virtual = (steps - min(steps, left // k)) * k
         self.resumed = _Resumed(at.epoch, at.deal, part, at.row, virtual)
         return Position(at.epoch, virtual)
+
+
+def _pinning(collate: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """``collate`` whose batches are copied into page-locked memory (their copy to the device then
+    runs beside the step)."""
+    return lambda rows: pin_memory(collate(rows))
 
 
 def _rows_in(batches: list[list[int]], n: int) -> int:

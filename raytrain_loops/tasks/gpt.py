@@ -24,6 +24,14 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """The attention mask of rows holding several sequences (``documents``: each position's
+    sequence number, batch x time): causal, and each position sees its own sequence only."""
+    t = documents.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
@@ -31,12 +39,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         q, k = rotary(q), rotary(k)
-        # Padding sits after each sequence's bytes, so the causal mask alone keeps it out of view.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # Padding sits after each sequence's bytes, so the causal mask alone keeps it out of view;
+        # ``mask``: rows holding several sequences (fixed packing), each kept to itself.
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -52,8 +62,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -83,8 +93,11 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``tokens``; ``documents`` (each position's sequence number, rows packed with
+        several sequences): attention stays causal and inside each sequence."""
         x = self.embed(tokens)
+        mask = None if documents is None else document_mask(documents)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.norm(x))

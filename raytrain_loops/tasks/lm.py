@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.config import ConfigError
+from raytrain_loops.data.packing import PACKINGS, ROW_END, collate_rows, pack, pack_rows
 from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.engine.update.micro import split_batch
@@ -81,28 +82,20 @@ def cut(data: bytes, max_len: int) -> list[bytes]:
     return pieces
 
 
-def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sequence indices into batches of similar length whose padded size (rows x longest)
-    is at most ``max_tokens``, shortest first (fairseq's ``batch_by_size``)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if current and (len(current) + 1) * lengths[i] > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def write_packed(out_dir: Path, split: str, lengths: list[int], piece, max_tokens: int, rng) -> int:
+def write_packed(out_dir: Path, split: str, lengths: list[int], piece, max_tokens: int, rng, row_len: int = 0) -> int:
     """Pack the sequences of ``lengths`` (``piece(i)``: sequence ``i``'s token bytes) and write
-    ``<split>.parquet`` under a temporary name, then rename it; return the batch count."""
+    ``<split>.parquet`` under a temporary name, then rename it; return the batch count.
+    ``row_len``: in rows of that many tokens, every batch of one shape (``fixed`` packing)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    batches = pack(lengths, max_tokens)
+    if row_len:
+        end, tokens_of = len(lengths), piece
+        batches = pack_rows(lengths, row_len, max_tokens, end)
+        lengths = [*lengths, ROW_END]
+        piece = lambda i: b"" if i == end else tokens_of(i)  # noqa: E731
+    else:
+        batches = pack(lengths, max_tokens)
     order = rng.permutation(len(batches))  # rows in no particular length order
     table = pa.table(
         {
@@ -124,7 +117,7 @@ def write_stats(out_dir: Path, stats: dict) -> None:
 
 
 def write_lm_parquet(
-    source: Path, out_dir: Path, max_len: int, max_tokens: int, val_percent: float, seed: int = 0
+    source: Path, out_dir: Path, max_len: int, max_tokens: int, val_percent: float, seed: int = 0, row_len: int = 0
 ) -> dict:
     """Cut, split, pack and write ``train.parquet``, ``valid.parquet`` and ``stats.json`` (last,
     as the marker of a complete write); return the stats. Idempotent."""
@@ -152,7 +145,7 @@ def write_lm_parquet(
     stats: dict = {"source": str(source), "max_len": max_len, "max_tokens": max_tokens}
     byte_counts = {}
     for split, seqs in pieces.items():
-        batches = write_packed(out_dir, split, [len(s) for s in seqs], seqs.__getitem__, max_tokens, rng)
+        batches = write_packed(out_dir, split, [len(s) for s in seqs], seqs.__getitem__, max_tokens, rng, row_len)
         data = np.frombuffer(b"".join(seqs), dtype=np.uint8)
         byte_counts[split] = np.bincount(data, minlength=256)
         stats[split] = {"files": counts[split], "sequences": len(seqs), "batches": batches, "tokens": data.size}
@@ -171,7 +164,14 @@ def token_dtype(vocab: int) -> str:
 
 
 def write_generated_parquet(
-    out_dir: Path, vocab: int, tokens: int, seed: int, max_len: int, max_tokens: int, val_percent: float
+    out_dir: Path,
+    vocab: int,
+    tokens: int,
+    seed: int,
+    max_len: int,
+    max_tokens: int,
+    val_percent: float,
+    row_len: int = 0,
 ) -> dict:
     """Generate, pack and write ``train.parquet`` (``tokens`` tokens), ``valid.parquet``
     (``val_percent`` percent as many) and ``stats.json`` (last); return the stats. Idempotent.
@@ -192,7 +192,8 @@ def write_generated_parquet(
     counts, drawn = {}, {}
     for stream, (split, n) in enumerate(sizes.items(), start=1):
         data, lengths = drawn[split] = language.sample(rng_for(seed, stream), n, max_len, token_dtype(vocab))
-        batches = write_packed(out_dir, split, lengths.tolist(), _pieces(data, lengths), max_tokens, rows_rng)
+        pieces = _pieces(data, lengths)
+        batches = write_packed(out_dir, split, lengths.tolist(), pieces, max_tokens, rows_rng, row_len)
         stats[split] = {"sequences": len(lengths), "batches": batches, "tokens": n}
         counts[split] = np.bincount(data, minlength=vocab - 1)
     bits = -np.log2((counts["train"] + 1) / (counts["train"].sum() + vocab - 1))
@@ -225,7 +226,11 @@ class LMTask(Task):
     ``data``: ``bytes`` (the stdlib's source, or ``source``) or ``generated`` (``tokens``
     training tokens of a seeded language over ``vocab`` ids, ``vocab - 1`` of them tokens and
     one BOS; ``seed``). ``vocab``, ``tokens`` and ``seed`` are for ``generated`` only,
-    ``source`` for ``bytes`` only.
+    ``source`` for ``bytes`` only. ``packing``: ``variable`` (batches shaped by their longest
+    sequence) or ``fixed`` (every batch ``max_tokens // max_len`` rows of ``max_len`` tokens,
+    sequences end to end, attention masked to each; ``max_tokens`` a multiple of ``max_len``):
+    :mod:`raytrain_loops.data.packing`. Compiling is ``compile.enabled`` (``compile.scope=model``
+    for the whole model), not a task parameter.
 
     Metrics, in bits per target unit. Bytes: ``bpb`` (bits per byte) in training; ``eval_bpb``
     and ``eval_unigram_bpb`` (the train byte distribution scored on the same validation bytes)
@@ -245,18 +250,26 @@ class LMTask(Task):
         max_tokens: int = 4096,
         val_percent: float = 2.0,
         source: str = "",
-        compile: bool = False,
+        compile: bool | None = None,
         data: str = "bytes",
         vocab: int | None = None,
         tokens: int | None = None,
         seed: int | None = None,
+        packing: str = "variable",
     ):
+        if compile is not None:
+            raise ConfigError(
+                "task.params.compile",
+                "is now compile.enabled=true with compile.scope=model (the whole model) or blocks (each block)",
+            )
         _check_shape(dim, layers, heads, max_len, max_tokens, val_percent, dropout)
+        _check_packing(packing, max_len, max_tokens)
         generated = _check_data(data, source, {"vocab": vocab, "tokens": tokens, "seed": seed})
         self.dim, self.layers, self.heads, self.dropout = dim, layers, heads, dropout
         self.max_len, self.max_tokens, self.val_percent = max_len, max_tokens, val_percent
         self.source = Path(source).expanduser().resolve() if source else Path(sysconfig.get_paths()["stdlib"])
-        self.compile, self.data = compile, data
+        self.data, self.packing = data, packing
+        self.row_len = max_len if packing == "fixed" else 0  # fixed: rows of max_len tokens
         self.vocab, self.tokens, self.seed = (generated[k] for k in ("vocab", "tokens", "seed"))
         self.bos = BOS if data == "bytes" else self.vocab - 1
         self.unit = "bpb" if data == "bytes" else "bpt"  # bits per byte, or per token
@@ -272,12 +285,11 @@ class LMTask(Task):
 
     def data_subdir(self, data_dir: Path) -> Path:
         """The cache directory of this source and packing (one per distinct setting)."""
+        packed = [self.max_len, self.max_tokens, self.val_percent] + (["fixed"] if self.row_len else [])
         if self.data == "generated":
-            key = json.dumps(
-                [GENERATED_FORMAT, self.vocab, self.tokens, self.seed, self.max_len, self.max_tokens, self.val_percent]
-            )
+            key = json.dumps([GENERATED_FORMAT, self.vocab, self.tokens, self.seed, *packed])
             return data_dir / "lm" / f"generated-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-        key = json.dumps([FORMAT, str(self.source), self.max_len, self.max_tokens, self.val_percent])
+        key = json.dumps([FORMAT, str(self.source), *packed])
         return data_dir / "lm" / f"{self.source.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
     def prepare(self, data_dir: Path) -> None:
@@ -290,12 +302,18 @@ class LMTask(Task):
                 self.max_len,
                 self.max_tokens,
                 self.val_percent,
+                self.row_len,
             )
         else:
             if not self.source.is_dir():
                 raise ConfigError("task.params.source", f"{str(self.source)!r} is not a directory")
             stats = write_lm_parquet(
-                self.source, self.data_subdir(data_dir), self.max_len, self.max_tokens, self.val_percent
+                self.source,
+                self.data_subdir(data_dir),
+                self.max_len,
+                self.max_tokens,
+                self.val_percent,
+                row_len=self.row_len,
             )
         self.unigram_bits = stats["unigram_bits"]
 
@@ -307,20 +325,20 @@ class LMTask(Task):
         }
 
     def build_model(self) -> nn.Module:
-        model = GPT(self.dim, self.layers, self.heads, self.dropout, vocab=self.vocab)
-        if self.compile:
-            model.compile(dynamic=True)  # in place: parameter names stay those of the plain model
-        return model
+        return GPT(self.dim, self.layers, self.heads, self.dropout, vocab=self.vocab)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
 
-    def collate(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def collate(self, batch: dict[str, np.ndarray]) -> tuple:
         """Rows of packed sequences -> right-padded ``(inputs, targets, target token count)``:
-        inputs are BOS then the tokens shifted by one, targets the tokens (``IGNORE`` on padding)."""
+        inputs are BOS then the tokens shifted by one, targets the tokens (``IGNORE`` on padding);
+        ``fixed`` packing adds each position's sequence number (:func:`collate_rows`)."""
         lengths = np.concatenate([np.asarray(row, dtype=np.int64) for row in batch["lengths"]])
         dtype = np.uint8 if self.data == "bytes" else token_dtype(self.vocab)
         flat = torch.from_numpy(np.frombuffer(b"".join(batch["tokens"]), dtype=dtype).astype(np.int64))
+        if self.row_len:
+            return collate_rows(lengths, flat, (self.max_tokens // self.max_len, self.max_len), self.bos, IGNORE)
         rows = np.repeat(np.arange(len(lengths)), lengths)
         cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         inputs = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)
@@ -333,19 +351,19 @@ class LMTask(Task):
 
     def split_batch(self, batch: Any, parts: int) -> list[Any]:
         """Sequences cut into ``parts`` micro-batches, each with its own token count."""
-        inputs, targets, _ = batch
-        pieces = split_batch((inputs, targets), parts)
-        return [(i, t, int((t != IGNORE).sum())) for i, t in pieces]
+        inputs, targets, _, *documents = batch
+        pieces = split_batch((inputs, targets, *documents), parts)
+        return [(i, t, int((t != IGNORE).sum()), *d) for i, t, *d in pieces]
 
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
-        inputs, targets, ntokens = batch
-        logits = model(inputs)
+        inputs, targets, ntokens, *documents = batch
+        logits = model(inputs, *documents)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         return LossOutput(loss, sample_size=ntokens, logs={self.unit: loss.detach() / (ntokens * LN2)})
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
-        inputs, targets, ntokens = batch
-        logits = model(inputs).float()
+        inputs, targets, ntokens, *documents = batch
+        logits = model(inputs, *documents).float()
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         out = {self.unit: (nll / (ntokens * LN2), ntokens), "loss": (nll / ntokens, ntokens)}
         real = targets != IGNORE
@@ -371,6 +389,16 @@ def _check_shape(
         raise ConfigError("task.params.val_percent", f"must be in (0, 100); got {val_percent}")
     if not 0.0 <= dropout < 1.0:
         raise ConfigError("task.params.dropout", f"must be in [0, 1); got {dropout}")
+
+
+def _check_packing(packing: str, max_len: int, max_tokens: int) -> None:
+    if packing not in PACKINGS:
+        raise ConfigError("task.params.packing", f"must be one of {', '.join(PACKINGS)}; got {packing!r}")
+    if packing == "fixed" and max_tokens % max_len:
+        raise ConfigError(
+            "task.params.max_tokens",
+            f"{max_tokens} is not a multiple of task.params.max_len={max_len}: packing=fixed fills rows of max_len",
+        )
 
 
 def _check_data(data: str, source: str, generated: dict) -> dict:

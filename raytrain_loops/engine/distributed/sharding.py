@@ -93,7 +93,7 @@ def compile_blocks(blocks: Sequence[nn.Module], cfg: CompileConfig) -> None:
     if not cfg.enabled:
         return
     for block in blocks:
-        block.compile(mode=cfg.mode, dynamic=cfg.dynamic)
+        block.compile(mode=cfg.mode, dynamic=cfg.dynamic, backend=cfg.backend)
 
 
 def shard(
@@ -133,19 +133,23 @@ def prepare_model(
     checkpointing: str = "none",
     compile_cfg: CompileConfig | None = None,
 ) -> None:
-    """Checkpointing, then compilation, of each block; the model is changed in place. Asking for
-    either with no blocks is an error: it would silently do nothing."""
+    """Checkpointing of each block, then compilation of each block or of the whole model
+    (``compile.scope``); the model is changed in place. Asking for either per block with no
+    blocks is an error: it would silently do nothing."""
     compile_cfg = compile_cfg or CompileConfig()
-    wanted = [
-        k for k, on in (("checkpointing", checkpointing != "none"), ("compile.enabled", compile_cfg.enabled)) if on
-    ]
+    whole = compile_cfg.enabled and compile_cfg.scope == "model"
+    per_block = compile_cfg.enabled and not whole
+    wanted = [k for k, on in (("checkpointing", checkpointing != "none"), ("compile.enabled", per_block)) if on]
     if wanted and not blocks:
         raise ValueError(
             f"{' and '.join(wanted)} act on the task's blocks, and this task names none: "
             "override Task.blocks(model) to return the model's repeated parts"
         )
     apply_checkpointing(blocks, checkpointing)
-    compile_blocks(blocks, compile_cfg)
+    if whole:
+        model.compile(mode=compile_cfg.mode, dynamic=compile_cfg.dynamic, backend=compile_cfg.backend)
+    else:
+        compile_blocks(blocks, compile_cfg)
 
 
 def lockstep(batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

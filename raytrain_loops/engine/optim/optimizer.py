@@ -61,12 +61,41 @@ def param_groups(
     return groups
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The parameter dtypes torch's fused Adam and AdamW kernels take."""
+
+
+def adam_kernel(device_types: set[str], dtypes: set[torch.dtype]) -> dict[str, bool]:
+    """Adam's and AdamW's implementation for parameters on ``device_types`` of ``dtypes``: the
+    fused kernel (one launch for every parameter's update) when all of them are on CUDA in a
+    dtype it takes, the multi-tensor ``foreach`` one elsewhere."""
+    if device_types == {"cuda"} and dtypes and all(d in FUSED_DTYPES for d in dtypes):
+        return {"fused": True, "foreach": False}
+    return {"fused": False, "foreach": True}
+
+
+def kernel_of(groups: list[dict[str, Any]]) -> dict[str, bool]:
+    """:func:`adam_kernel` for the parameters of ``groups`` (a sharded parameter by its local shard)."""
+    params = [p.to_local() if hasattr(p, "to_local") else p for g in groups for p in g["params"]]
+    return adam_kernel({p.device.type for p in params}, {p.dtype for p in params})
+
+
 def build_optimizer(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer over ``groups``; lr and weight decay start at 0 and are set by :func:`apply_values`."""
+    """The optimizer over ``groups``; lr and weight decay start at 0 and are set by :func:`apply_values`.
+    Adam and AdamW run fused on CUDA, ``foreach`` elsewhere (:func:`adam_kernel`)."""
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=0.0, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=0.0)
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return cls(groups, lr=0.0, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0)
+    return cls(groups, lr=0.0, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=0.0, **kernel_of(groups))
+
+
+def keep_kernel(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict``: Adam's kernel flags back to this device's choice (a checkpoint's
+    param groups carry those of the device that wrote it)."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        flags = {k: optimizer.defaults[k] for k in ("fused", "foreach")}
+        for g in optimizer.param_groups:
+            g.update(flags)
 
 
 def apply_values(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:

@@ -42,7 +42,7 @@ from raytrain_loops.engine.distributed import collectives, sharding, step_sync
 from raytrain_loops.engine.length import accum_steps
 from raytrain_loops.engine.meters import Meters, log_step
 from raytrain_loops.engine.optim import schedules
-from raytrain_loops.engine.optim.optimizer import apply_values, frozen_params, optimizer_scaler_ema
+from raytrain_loops.engine.optim.optimizer import apply_values, frozen_params, keep_kernel, optimizer_scaler_ema
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.update import skips
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
@@ -402,6 +402,7 @@ class Engine:
         else:
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        keep_kernel(self.optimizer)
         if self.scaler.is_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
