@@ -1,0 +1,65 @@
+"""The vision recipes on data in their seeds' formats, converted by ``raytrain-loops convert``
+(tests/vision_data.py writes it): each trains a few updates in local mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raytrain_loops import fit
+from raytrain_loops.config import ConfigError
+from raytrain_loops.data.parquet import ROW_SEED
+from raytrain_loops.recipes import resolve
+from raytrain_loops.tasks import build_task
+from raytrain_loops.tools.convert import convert
+from tests.vision_data import write_imagefolder
+
+SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def folder(ray_session, tmp_path_factory) -> str:
+    """A converted ImageFolder: 3 classes x 100 images (PNG and JPEG) of 20 pixels."""
+    root = tmp_path_factory.mktemp("folder")
+    src = write_imagefolder(root / "src", per_class=100, size=20)
+    convert("imagefolder", str(src), str(root / "converted"))
+    return str(root / "converted")
+
+
+def _steps(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(recipe: str, tmp_path: Path, *overrides: str) -> list[dict]:
+    common = ["scaling.num_workers=0", f"run.storage_path={tmp_path}", "run.progress=false", "data.batch_size=16"]
+    result = fit(resolve(recipe), overrides=[*common, *overrides])
+    return _steps(result.run_dir)
+
+
+def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder, tmp_path):
+    task = build_task("cvnets", {"data": "imagefolder", "source": folder, "size": SIZE})
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(task.images.split("train")).slice(0, 4).to_pydict()
+    batch = {"image": np.asarray(rows["image"], dtype=object), "label": np.asarray(rows["label"]),
+             ROW_SEED: np.arange(4, dtype=np.uint64)}  # fmt: skip
+    train, again, evaluated = task.preprocess(batch, True), task.preprocess(batch, True), task.preprocess(batch, False)
+    assert train["image"].shape == evaluated["image"].shape == (4, 3, SIZE, SIZE)  # CHW, the data's channels
+    assert np.array_equal(train["image"], again["image"])  # drawn from the rows' seeds
+    assert not np.array_equal(train["image"], evaluated["image"])
+    model = task.build_model()
+    assert model.features[0][0].in_channels == 3 and model.head.out_features == 3
+    steps = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
+                   f"task.params.size={SIZE}", "loop.max_steps=4")  # fmt: skip
+    assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
+    assert all(np.isfinite(s["loss"]) for s in steps), steps
+
+
+def test_a_converted_set_of_another_format_or_none_is_named(folder, tmp_path):
+    with pytest.raises(ConfigError, match="task.params.source.*holds no meta.json: convert the data first"):
+        build_task("cvnets", {"data": "imagefolder", "source": str(tmp_path), "size": SIZE}).prepare(tmp_path)
+    with pytest.raises(ConfigError, match="task.params.data.*must be one of"):
+        build_task("cvnets", {"data": "coco"})
