@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
@@ -22,9 +23,12 @@ SIZE = 16
 
 @pytest.fixture(scope="module")
 def folder(ray_session, tmp_path_factory) -> str:
-    """A converted ImageFolder: 3 classes x 100 images (PNG and JPEG) of 20 pixels."""
+    """A converted ImageFolder: 3 classes x 100 images (PNG and JPEG) of 20 pixels, 80 of each
+    in ``train/`` and 20 in ``val/``."""
     root = tmp_path_factory.mktemp("folder")
-    src = write_imagefolder(root / "src", per_class=100, size=20)
+    src = root / "src"
+    write_imagefolder(src / "train", per_class=80, size=20)
+    write_imagefolder(src / "val", per_class=20, size=20, seed=1)
     convert("imagefolder", str(src), str(root / "converted"))
     return str(root / "converted")
 
@@ -33,10 +37,11 @@ def _steps(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(recipe: str, tmp_path: Path, *overrides: str) -> list[dict]:
+def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], list[dict]]:
+    """The steps and evaluations (metrics.jsonl, eval.jsonl) of ``recipe`` trained in local mode."""
     common = ["scaling.num_workers=0", f"run.storage_path={tmp_path}", "run.progress=false", "data.batch_size=16"]
-    result = fit(resolve(recipe), overrides=[*common, *overrides])
-    return _steps(result.run_dir)
+    run_dir = Path(fit(resolve(recipe), overrides=[*common, *overrides]).run_dir)
+    return _steps(str(run_dir)), [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
 
 
 def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder, tmp_path):
@@ -52,10 +57,11 @@ def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder,
     assert not np.array_equal(train["image"], evaluated["image"])
     model = task.build_model()
     assert model.features[0][0].in_channels == 3 and model.head.out_features == 3
-    steps = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
+    steps, evals = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
                    f"task.params.size={SIZE}", "loop.max_steps=4")  # fmt: skip
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
+    assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0 and evals[-1]["step"] == 4
 
 
 def test_a_converted_set_of_another_format_or_none_is_named(folder, tmp_path):
@@ -63,3 +69,25 @@ def test_a_converted_set_of_another_format_or_none_is_named(folder, tmp_path):
         build_task("cvnets", {"data": "imagefolder", "source": str(tmp_path), "size": SIZE}).prepare(tmp_path)
     with pytest.raises(ConfigError, match="task.params.data.*must be one of"):
         build_task("cvnets", {"data": "coco"})
+
+
+def test_dino_trains_on_a_converted_imagefolder_with_its_multi_crop_and_knn(folder, tmp_path):
+    task = build_task("dino", {"data": "imagefolder", "source": folder, "size": SIZE, "local_size": 8, "local_crops": 2})
+    task.splits(Path(tmp_path))
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(task.images.split("train")).slice(0, 3).to_pydict()
+    batch = {"image": np.asarray(rows["image"], dtype=object), "label": np.asarray(rows["label"]),
+             ROW_SEED: np.arange(3, dtype=np.uint64)}  # fmt: skip
+    out = task.preprocess(batch, True)
+    assert out["global"].shape == (3, 2, 3, SIZE, SIZE) and out["local"].shape == (3, 2, 3, 8, 8)
+    assert np.array_equal(task.preprocess(batch, True)["global"], out["global"])  # drawn from the rows' seeds
+    views, labels = task.collate(out)
+    assert [tuple(v.shape) for v in views] == [(6, 3, SIZE, SIZE), (6, 3, 8, 8)] and len(labels) == 3
+    assert torch.equal(views[0][3], torch.from_numpy(out["global"][0, 1]).float() / 255)  # view-major
+    steps, evals = _train("dino", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
+                   f"task.params.size={SIZE}", "task.params.local_size=8", "task.params.local_crops=2",
+                   "task.params.out_dim=64", "loop.epochs=1", "loop.max_steps=4", "eval.every_steps=4")  # fmt: skip
+    assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
+    assert all(np.isfinite(s["loss"]) for s in steps), steps
+    assert evals[-1]["step"] == 4 and 0.0 <= evals[-1]["eval_ema_knn_accuracy"] <= 1.0, evals

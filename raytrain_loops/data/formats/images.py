@@ -152,3 +152,19 @@ def chw(image) -> np.ndarray:
     """A PIL image as (C, H, W) uint8."""
     array = np.asarray(image)
     return (array[None] if array.ndim == 2 else array.transpose(2, 0, 1)).copy()
+
+
+def multi_crop(image, rng: np.random.Generator, size: int, local_size: int, local_crops: int, global_scale, local_scale):
+    """DINO's ``DataAugmentationDINO`` views of one image: 2 global crops of ``size`` (flip,
+    colour jitter; the first always blurred, the second blurred a tenth of the time and solarised
+    a fifth) and ``local_crops`` crops of ``local_size`` (flip, jitter, blurred half of the time).
+    Returns (globals (2, C, size, size), locals (local_crops, C, local_size, local_size)) uint8."""
+
+    def view(crop: int, scale, blur_p: float, solarize_p: float = 0.0):
+        out = colour_jitter(flip(random_resized_crop(image, crop, scale, rng), rng), rng)
+        return chw(solarize(blur(out, rng, blur_p), rng, solarize_p))
+
+    globals_ = np.stack([view(size, global_scale, 1.0), view(size, global_scale, 0.1, 0.2)])
+    channels = globals_.shape[1]
+    locals_ = [view(local_size, local_scale, 0.5) for _ in range(local_crops)]
+    return globals_, np.stack(locals_) if locals_ else np.zeros((0, channels, local_size, local_size), np.uint8)
