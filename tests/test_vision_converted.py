@@ -37,11 +37,13 @@ def _steps(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], list[dict]]:
-    """The steps and evaluations (metrics.jsonl, eval.jsonl) of ``recipe`` trained in local mode."""
+def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], list[dict], Path]:
+    """The steps and evaluations (metrics.jsonl, eval.jsonl) of ``recipe`` trained in local mode,
+    and its run directory."""
     common = ["scaling.num_workers=0", f"run.storage_path={tmp_path}", "run.progress=false", "data.batch_size=16"]
     run_dir = Path(fit(resolve(recipe), overrides=[*common, *overrides]).run_dir)
-    return _steps(str(run_dir)), [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return _steps(str(run_dir)), evals, run_dir
 
 
 def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder, tmp_path):
@@ -57,7 +59,7 @@ def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder,
     assert not np.array_equal(train["image"], evaluated["image"])
     model = task.build_model()
     assert model.features[0][0].in_channels == 3 and model.head.out_features == 3
-    steps, evals = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
+    steps, evals, _ = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
                    f"task.params.size={SIZE}", "loop.max_steps=4")  # fmt: skip
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
@@ -71,7 +73,7 @@ def test_a_converted_set_of_another_format_or_none_is_named(folder, tmp_path):
         build_task("cvnets", {"data": "coco"})
 
 
-def test_dino_trains_on_a_converted_imagefolder_with_its_multi_crop_and_knn(folder, tmp_path):
+def test_dino_trains_on_a_converted_imagefolder_and_its_teacher_is_a_backbone_for_cvnets(folder, tmp_path, capsys):
     task = build_task("dino", {"data": "imagefolder", "source": folder, "size": SIZE, "local_size": 8, "local_crops": 2})
     task.splits(Path(tmp_path))
     import pyarrow.parquet as pq
@@ -85,9 +87,35 @@ def test_dino_trains_on_a_converted_imagefolder_with_its_multi_crop_and_knn(fold
     views, labels = task.collate(out)
     assert [tuple(v.shape) for v in views] == [(6, 3, SIZE, SIZE), (6, 3, 8, 8)] and len(labels) == 3
     assert torch.equal(views[0][3], torch.from_numpy(out["global"][0, 1]).float() / 255)  # view-major
-    steps, evals = _train("dino", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
+    steps, evals, run_dir = _train("dino", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
                    f"task.params.size={SIZE}", "task.params.local_size=8", "task.params.local_crops=2",
                    "task.params.out_dim=64", "loop.epochs=1", "loop.max_steps=4", "eval.every_steps=4")  # fmt: skip
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
     assert evals[-1]["step"] == 4 and 0.0 <= evals[-1]["eval_ema_knn_accuracy"] <= 1.0, evals
+
+    # DINO's workflow: the run's exported teacher is the backbone a classifier fine-tunes.
+    from raytrain_loops.engine.checkpoint.files import export
+    from raytrain_loops.rundir.layout import checkpoint_dirs
+
+    teacher = export(checkpoint_dirs(str(run_dir))[-1], tmp_path / "teacher.pt", ema=True)["model"]
+    params = {"data": "imagefolder", "source": folder, "size": SIZE, "backbone_weights": str(tmp_path / "teacher.pt")}
+    model = build_task("cvnets", params).build_model()
+    said = capsys.readouterr().out
+    assert all(torch.equal(v, teacher[f"backbone.{k}"]) for k, v in model.features.state_dict().items())
+    assert "tensors loaded; missing none; unexpected ['center', 'head.last_layer.weight'," in said, said
+    with pytest.raises(ConfigError, match=r"backbone_weights: .*teacher.pt: 0.0.weight has shape \[32, 3, 3, 3\], the model's \[8, 3, 3, 3\]"):
+        build_task("cvnets", {**params, "width": 8}).build_model()
+
+
+def test_backbone_weights_in_safetensors_start_the_digits_cnn(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    source = build_task("cvnets", {}).build_model()
+    save_file({f"features.{k}": v.contiguous() for k, v in source.features.state_dict().items()}, tmp_path / "b.safetensors")
+    model = build_task("cvnets", {"backbone_weights": str(tmp_path / "b.safetensors")}).build_model()
+    assert all(torch.equal(v, source.features.state_dict()[k]) for k, v in model.features.state_dict().items())
+    assert "missing none; unexpected none" in capsys.readouterr().out
+    (tmp_path / "code.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match="code.pt is no state_dict torch.load reads safely"):
+        build_task("cvnets", {"backbone_weights": str(tmp_path / "code.pt")}).build_model()

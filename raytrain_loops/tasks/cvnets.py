@@ -7,7 +7,8 @@ EMA are engine settings of the recipe (``recipes/cvnets_cls.yaml``).
 download) or ``imagefolder``: the set ``raytrain-loops convert imagefolder`` wrote at
 ``task.params.source``, its images decoded in ``preprocess`` at ``task.params.size`` with
 cvnets' random resized crop and horizontal flip (the evaluation: resize and centre crop), its
-channels and classes taken from the data.
+channels and classes taken from the data. ``task.params.backbone_weights``: a file whose weights
+the CNN's backbone starts from (a DINO run's exported teacher, ``raytrain-loops export --ema``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def set_bn_momentum(model: nn.Module, momentum: float) -> None:
             layer.momentum = momentum
 
 
+def with_backbone(model: nn.Module, path: str) -> nn.Module:
+    """``model`` with its backbone (``features``) loaded from ``task.params.backbone_weights``
+    when one is named (:func:`~raytrain_loops.engine.checkpoint.weights.load_backbone`)."""
+    if path:
+        from raytrain_loops.engine.checkpoint.weights import WeightsError, load_backbone
+
+        try:
+            load_backbone(model.features, path)
+        except WeightsError as err:
+            raise ConfigError("task.params.backbone_weights", str(err)) from None
+    return model
+
+
 class CvnetsTask(DigitsTask):
     """The digits task whose criterion first applies this step's ``schedules.bn_momentum`` to the
     model's BatchNorm layers, so their running statistics follow cvnets' momentum schedule.
@@ -48,8 +62,20 @@ class CvnetsTask(DigitsTask):
             raise ConfigError("task.params.data", f"must be one of {list(DATA)}; got {data!r}")
         return super().__new__(CvnetsFolderTask if cls is CvnetsTask and data == "imagefolder" else cls)
 
-    def __init__(self, width: int = 32, dropout: float = 0.1, label_smoothing: float = 0.0, shift: int = 1, data: str = "digits"):
+    def __init__(
+        self,
+        width: int = 32,
+        dropout: float = 0.1,
+        label_smoothing: float = 0.0,
+        shift: int = 1,
+        data: str = "digits",
+        backbone_weights: str = "",
+    ):
         super().__init__(width, dropout, label_smoothing, shift)
+        self.backbone_weights = backbone_weights
+
+    def build_model(self) -> nn.Module:
+        return with_backbone(super().build_model(), self.backbone_weights)
 
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
         if BN_MOMENTUM not in ctx.values:
@@ -77,9 +103,10 @@ class CvnetsFolderTask(CvnetsTask):
         source: str = "",
         size: int = 32,
         scale: tuple[float, float] = (0.08, 1.0),
+        backbone_weights: str = "",
     ):
         params_at_least(("size", size, 8), ("width", width, 1))
-        super().__init__(width, dropout, label_smoothing, shift=0)
+        super().__init__(width, dropout, label_smoothing, shift=0, backbone_weights=backbone_weights)
         self.images = views.ConvertedSet(source, "imagefolder")
         self.size, self.scale = size, tuple(scale)
 
@@ -108,4 +135,4 @@ class CvnetsFolderTask(CvnetsTask):
 
     def build_model(self) -> nn.Module:
         classes = len(self.images.meta["classes"])
-        return SmallCNN(self.width, classes, self.dropout, in_channels=self.images.channels)
+        return with_backbone(SmallCNN(self.width, classes, self.dropout, self.images.channels), self.backbone_weights)
