@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from examples.imagefolder import main as example
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
+from raytrain_loops.data import identity
 from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tools.convert import convert
-from tests.vision_data import write_imagefolder
 
 SIZE = 16
 
@@ -26,10 +27,8 @@ def folder(ray_session, tmp_path_factory) -> str:
     """A converted ImageFolder: 3 classes x 100 images (PNG and JPEG) of 20 pixels, 80 of each
     in ``train/`` and 20 in ``val/``."""
     root = tmp_path_factory.mktemp("folder")
-    src = root / "src"
-    write_imagefolder(src / "train", per_class=80, size=20)
-    write_imagefolder(src / "val", per_class=20, size=20, seed=1)
-    convert("imagefolder", str(src), str(root / "converted"))
+    example(["--make-data", str(root / "src")])
+    convert("imagefolder", str(root / "src"), str(root / "converted"))
     return str(root / "converted")
 
 
@@ -46,7 +45,7 @@ def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], li
     return _steps(str(run_dir)), evals, run_dir
 
 
-def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder, tmp_path):
+def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder, tmp_path, capsys):
     task = build_task("cvnets", {"data": "imagefolder", "source": folder, "size": SIZE})
     import pyarrow.parquet as pq
 
@@ -59,11 +58,19 @@ def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder,
     assert not np.array_equal(train["image"], evaluated["image"])
     model = task.build_model()
     assert model.features[0][0].in_channels == 3 and model.head.out_features == 3
-    steps, evals, _ = _train("cvnets_cls", tmp_path, "task.params.data=imagefolder", f"task.params.source={folder}",
-                   f"task.params.size={SIZE}", "loop.max_steps=4")  # fmt: skip
+    # examples/imagefolder.py end to end: the conversion (a no-op here: the fixture's), 4 updates.
+    src = str(Path(folder).parent / "src")
+    run = example(["--data", src, "--converted", folder, "--local", "--steps", "4", "--size", str(SIZE),
+                   "--storage-path", str(tmp_path)])  # fmt: skip
+    assert "is up to date: 300 images, 3 classes, 2 files; nothing converted" in capsys.readouterr().out
+    steps = _steps(run.run_dir)
+    evals = [json.loads(line) for line in (Path(run.run_dir) / "eval.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
     assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0 and evals[-1]["step"] == 4
+    found = identity.identity(folder)  # the run pins the converted set's identity: paths, sizes, rows
+    del found["files"]["meta.json"]
+    assert json.loads((Path(run.run_dir) / "artefacts.json").read_text())["data"] == identity.digest(found)
 
 
 def test_a_converted_set_of_another_format_or_none_is_named(folder, tmp_path):

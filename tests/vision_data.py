@@ -1,49 +1,22 @@
 """Image data sets in the seeds' formats, written by the tests: an ImageFolder tree of PNG and JPEG
-files, and a COCO directory (``annotations/instances_train.json`` beside ``train/``) whose
+files (examples/imagefolder.py's), and a COCO directory (``annotations/instances_train.json`` beside ``train/``) whose
 objects have polygons, and one ``iscrowd`` object an uncompressed RLE, as COCO's crowds do."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
 
-CLASSES = ("circle", "square", "stripe")
+from examples.imagefolder import CLASSES, encoded, write_tree
 
-
-def encoded(image: np.ndarray, fmt: str) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format=fmt)
-    return out.getvalue()
-
-
-def _draw(label: int, size: int, rng: np.random.Generator) -> np.ndarray:
-    image = Image.fromarray(rng.integers(0, 60, (size, size, 3), dtype=np.uint8))
-    pen = ImageDraw.Draw(image)
-    lo, hi = int(rng.integers(1, size // 3)), int(rng.integers(2 * size // 3, size - 1))
-    colour = tuple(int(c) for c in rng.integers(150, 256, 3))
-    if label == 0:
-        pen.ellipse((lo, lo, hi, hi), fill=colour)
-    elif label == 1:
-        pen.rectangle((lo, lo, hi, hi), fill=colour)
-    else:
-        pen.rectangle((0, lo, size - 1, lo + 2), fill=colour)
-    return np.asarray(image)
-
+__all__ = ["CLASSES", "write_coco", "write_imagefolder"]
 
 def write_imagefolder(root: Path, per_class: int = 100, size: int = 16, seed: int = 0) -> Path:
     """``root/<class>/<k>.png|jpg``: ``per_class`` images of each of :data:`CLASSES`, PNG and JPEG
-    alternately, ``size`` pixels square, drawn from ``seed``."""
-    rng = np.random.default_rng(seed)
-    for label, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True, exist_ok=True)
-        for k in range(per_class):
-            fmt, ext = ("PNG", "png") if k % 2 == 0 else ("JPEG", "jpg")
-            (root / name / f"{k:03d}.{ext}").write_bytes(encoded(_draw(label, size, rng), fmt))
-    return root
+    alternately, ``size`` pixels square, drawn from ``seed`` (the example's generator)."""
+    return write_tree(root, per_class, size, seed)
 
 
 CATEGORIES = [{"id": 3, "name": "triangle", "supercategory": "shape"}, {"id": 7, "name": "box", "supercategory": "shape"}]

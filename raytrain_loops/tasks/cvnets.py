@@ -117,6 +117,9 @@ class CvnetsFolderTask(CvnetsTask):
         found = {name: self.images.split(name) for name in ("train", "eval")}
         return {name: ParquetSplit(path, ["image", "label"]) for name, path in found.items() if path}
 
+    def data_digest(self) -> str:
+        return self.images.digest
+
     def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
         out = []
         for raw, seed in zip(batch["image"], batch[ROW_SEED], strict=True):

@@ -391,6 +391,9 @@ class DinoFolderTask(DinoTask):
         self.bank_path = found["train"]
         return {name: ParquetSplit(path, COLUMNS) for name, path in found.items() if path}
 
+    def data_digest(self) -> str:
+        return self.images.digest
+
     def build_model(self) -> nn.Module:
         channels = self.images.channels
         model = DinoModel(self.width, self.out_dim, self.hidden_dim, self.bottleneck_dim, self.head_bn, channels)

@@ -199,6 +199,7 @@ def convert(
     fresh = not storage.is_uri(dest) and not os.path.exists(storage.local_path(dest))
     say(f"converting {plan.images} images ({_labels(plan.meta)}) of {src} into {dest}")
     start(num_cpus)
+    began = time.monotonic()  # the conversion's own time, not Ray's start-up
     try:
         results = _run(_jobs(plan, src, tmp, chunk_rows, rows_per_file), plan.images)
         skipped = _checked(plan, results, strict)

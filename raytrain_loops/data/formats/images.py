@@ -54,6 +54,12 @@ class ConvertedSet:
         """1 when every image is single-channel, else 3 (alpha left out)."""
         return 1 if self.meta["channels"] == [1] else 3
 
+    @property
+    def digest(self) -> str:
+        """The set's identity as ``convert`` recorded it (paths, sizes, row counts): what a run
+        on it pins (``Task.data_digest``)."""
+        return self.meta["digest"]
+
     def split(self, name: str) -> str | None:
         """The directory of split ``name`` (``train``, ``eval``), or None when the set has none."""
         return storage.join(self.source, name) if self.meta["splits"].get(name) else None
