@@ -18,6 +18,7 @@ from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tools.convert import convert
+from tests.vision_data import write_coco
 
 SIZE = 16
 
@@ -115,7 +116,7 @@ def test_dino_trains_on_a_converted_imagefolder_and_its_teacher_is_a_backbone_fo
         build_task("cvnets", {**params, "width": 8}).build_model()
 
 
-def test_backbone_weights_in_safetensors_start_the_digits_cnn(tmp_path, capsys):
+def test_backbone_weights_in_safetensors_start_the_digits_cnn_and_detrs_resnet_stack(tmp_path, capsys):
     from safetensors.torch import save_file
 
     source = build_task("cvnets", {}).build_model()
@@ -123,6 +124,46 @@ def test_backbone_weights_in_safetensors_start_the_digits_cnn(tmp_path, capsys):
     model = build_task("cvnets", {"backbone_weights": str(tmp_path / "b.safetensors")}).build_model()
     assert all(torch.equal(v, source.features.state_dict()[k]) for k, v in model.features.state_dict().items())
     assert "missing none; unexpected none" in capsys.readouterr().out
+    # DETR's ResNet-style backbone (task.params.depth) from a state_dict of the same architecture.
+    detr = build_task("detr", {"depth": 2, "width": 8}).build_model()
+    assert sum(isinstance(m, type(detr.backbone.body[1])) for m in detr.backbone.body) == 6  # 3 stages x depth 2
+    save_file({f"backbone.{k}": v.contiguous() for k, v in detr.backbone.state_dict().items()}, tmp_path / "d.safetensors")
+    loaded = build_task("detr", {"depth": 2, "width": 8, "backbone_weights": str(tmp_path / "d.safetensors")}).build_model()
+    assert all(torch.equal(v, detr.backbone.state_dict()[k]) for k, v in loaded.backbone.state_dict().items())
+    with pytest.raises(ConfigError, match=r"backbone_weights: .*d.safetensors: body.0.0.weight has shape"):
+        build_task("detr", {"depth": 2, "width": 4, "backbone_weights": str(tmp_path / "d.safetensors")}).build_model()
     (tmp_path / "code.pt").write_bytes(b"not a torch file")
     with pytest.raises(ConfigError, match="code.pt is no state_dict torch.load reads safely"):
         build_task("cvnets", {"backbone_weights": str(tmp_path / "code.pt")}).build_model()
+
+
+@pytest.fixture(scope="module")
+def coco(ray_session, tmp_path_factory) -> tuple[Path, str]:
+    """The tests' COCO directory (200 images of 20 x 14, polygons, one crowd) and its conversion."""
+    root = tmp_path_factory.mktemp("coco")
+    write_coco(root / "src", images=200)
+    convert("coco", str(root / "src"), str(root / "converted"))
+    return root / "src", str(root / "converted")
+
+
+def test_detr_trains_on_a_converted_coco_directory(coco, tmp_path):
+    src, converted = coco
+    task = build_task("detr", {"data": "coco", "source": converted, "size": 40})
+    task.prepare(tmp_path)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(task.images.split("train")).slice(0, 3).to_pydict()
+    batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()} | {ROW_SEED: np.arange(3, dtype=np.uint64)}
+    out = task.preprocess(batch, False)
+    assert out["image"].shape == (3, 3, 40, 40) and task.num_classes == 2
+    data = json.loads((src / "annotations" / "instances_train.json").read_text())
+    first = [a for a in data["annotations"] if a["image_id"] == rows["image_id"][0] and not a["iscrowd"]]
+    expected = [[(x + w / 2) / 20, (y + h / 2) / 20, w / 20, h / 20] for x, y, w, h in (a["bbox"] for a in first)]
+    assert np.allclose(out["boxes"][0], expected, atol=1e-6)  # the crowd left out, at twice the size over 40
+    assert out["labels"][0].tolist() == [[3, 7].index(a["category_id"]) for a in first]
+    train = task.preprocess(batch, True)
+    assert all(((b >= 0) & (b <= 1)).all() for b in train["boxes"]) and train["image"].shape == (3, 3, 40, 40)
+    steps, _, _ = _train("detr", tmp_path, "task.params.data=coco", f"task.params.source={converted}",
+                         "task.params.size=32", "task.params.depth=1", "loop.max_steps=4")  # fmt: skip
+    assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
+    assert all(np.isfinite(s["loss"]) for s in steps), steps

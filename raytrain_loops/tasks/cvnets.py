@@ -39,16 +39,22 @@ def set_bn_momentum(model: nn.Module, momentum: float) -> None:
             layer.momentum = momentum
 
 
-def with_backbone(model: nn.Module, path: str) -> nn.Module:
-    """``model`` with its backbone (``features``) loaded from ``task.params.backbone_weights``
-    when one is named (:func:`~raytrain_loops.engine.checkpoint.weights.load_backbone`)."""
-    if path:
-        from raytrain_loops.engine.checkpoint.weights import WeightsError, load_backbone
+def load_backbone(backbone: nn.Module, path: str) -> None:
+    """``backbone`` loaded from ``task.params.backbone_weights``
+    (:func:`~raytrain_loops.engine.checkpoint.weights.load_backbone`); its errors name the key."""
+    from raytrain_loops.engine.checkpoint.weights import WeightsError
+    from raytrain_loops.engine.checkpoint.weights import load_backbone as load
 
-        try:
-            load_backbone(model.features, path)
-        except WeightsError as err:
-            raise ConfigError("task.params.backbone_weights", str(err)) from None
+    try:
+        load(backbone, path)
+    except WeightsError as err:
+        raise ConfigError("task.params.backbone_weights", str(err)) from None
+
+
+def with_backbone(model: nn.Module, path: str) -> nn.Module:
+    """``model`` with its backbone (``features``) loaded from ``path`` when one is named."""
+    if path:
+        load_backbone(model.features, path)
     return model
 
 

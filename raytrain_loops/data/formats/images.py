@@ -174,3 +174,25 @@ def multi_crop(image, rng: np.random.Generator, size: int, local_size: int, loca
     channels = globals_.shape[1]
     locals_ = [view(local_size, local_scale, 0.5) for _ in range(local_crops)]
     return globals_, np.stack(locals_) if locals_ else np.zeros((0, channels, local_size, local_size), np.uint8)
+
+
+def coco_view(image, xyxy: np.ndarray, size: int, train: bool, rng: np.random.Generator):
+    """DETR's view of a detection image and its boxes (``xyxy`` in pixels), at most ``size``
+    pixels a side: training, a flip, a random resize (the longer side to 0.75 to 1.25 of
+    ``size``) and a random crop of ``size`` x ``size`` with the boxes clipped to it; evaluation,
+    the longer side resized to ``size``. Returns the (C, H, W) uint8 image and the boxes."""
+    from PIL import Image
+
+    width, height = image.size
+    boxes = np.asarray(xyxy, dtype=np.float64).reshape(-1, 4).copy()
+    if train and rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        boxes[:, [0, 2]] = width - boxes[:, [2, 0]]
+    scale = size / max(width, height) * (rng.uniform(0.75, 1.25) if train else 1.0)
+    w, h = max(1, round(width * scale)), max(1, round(height * scale))
+    image, boxes = image.resize((w, h), Image.BILINEAR), boxes * [w / width, h / height, w / width, h / height]
+    x, y = (int(rng.integers(0, w - size + 1)) if w > size else 0), (int(rng.integers(0, h - size + 1)) if h > size else 0)
+    image = image.crop((x, y, min(w, x + size), min(h, y + size)))
+    boxes = boxes - [x, y, x, y]
+    boxes = np.clip(boxes, 0, [image.size[0], image.size[1], image.size[0], image.size[1]])
+    return chw(image), boxes

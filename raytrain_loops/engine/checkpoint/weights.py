@@ -55,11 +55,11 @@ def load_backbone(
     for key, value in read_state_dict(path).items():
         bare = next((key[len(p) :] for p in prefixes if key.startswith(p) and key[len(p) :] in own), key)
         found[bare] = value
-    for key, value in found.items():
-        if key in own and own[key].shape != value.shape:
+    for key, tensor in own.items():  # the first in the module's order
+        if key in found and found[key].shape != tensor.shape:
             raise WeightsError(
-                f"{path}: {key} has shape {list(value.shape)}, the model's "
-                f"{list(own[key].shape)} (a backbone of another width or depth?)"
+                f"{path}: {key} has shape {list(found[key].shape)}, the model's "
+                f"{list(tensor.shape)} (a backbone of another width or depth?)"
             )
     result = module.load_state_dict({k: v for k, v in found.items() if k in own}, strict=False)
     missing, unexpected = list(result.missing_keys), sorted(k for k in found if k not in own)
