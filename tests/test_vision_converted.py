@@ -17,6 +17,7 @@ from raytrain_loops.data import identity
 from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import build_task
+from raytrain_loops.tasks.converted.seamseg_coco import semantic
 from raytrain_loops.tools.convert import convert
 from tests.vision_data import write_coco
 
@@ -165,5 +166,33 @@ def test_detr_trains_on_a_converted_coco_directory(coco, tmp_path):
     assert all(((b >= 0) & (b <= 1)).all() for b in train["boxes"]) and train["image"].shape == (3, 3, 40, 40)
     steps, _, _ = _train("detr", tmp_path, "task.params.data=coco", f"task.params.source={converted}",
                          "task.params.size=32", "task.params.depth=1", "loop.max_steps=4")  # fmt: skip
+    assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
+    assert all(np.isfinite(s["loss"]) for s in steps), steps
+
+
+def test_seamseg_trains_on_a_converted_coco_directory_through_the_plan(coco, tmp_path):
+    from pycocotools.coco import COCO
+
+    src, converted = coco
+    task = build_task("seamseg", {"data": "coco", "source": converted, "size": 32})
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(task.images.split("train")).slice(0, 3).to_pydict()
+    batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()} | {ROW_SEED: np.arange(3, dtype=np.uint64)}
+    out = task.preprocess(batch, False)
+    assert [i.shape for i in out["image"]] == [(32, 48, 3)] * 3  # 14 x 20 at a shorter side of 32, sides rounded to 16s
+    coco_api = COCO(str(src / "annotations" / "instances_train.json"))
+    for i, image_id in enumerate(rows["image_id"]):  # at the converted size: the masks pycocotools gives
+        anns = coco_api.loadAnns(coco_api.getAnnIds(imgIds=[image_id]))
+        expected = np.zeros((14, 20), dtype=np.uint8)
+        for ann in sorted(anns, key=lambda a: a["iscrowd"]):
+            expected[coco_api.annToMask(ann) > 0] = 255 if ann["iscrowd"] else 1 + [3, 7].index(ann["category_id"])
+        row = {k: rows[k][i] for k in rows}
+        assert np.array_equal(semantic(row, {3: 0, 7: 1}), expected)
+    assert 255 in out["sem"][0] and len(out["labels"][0]) == len(out["boxes"][0])
+    batch_out = task.collate(task.preprocess(batch, True))
+    assert batch_out["images"].shape[:2] == (3, 3) and batch_out["images"].shape[2] % 16 == 0
+    steps, _, _ = _train("seamseg", tmp_path, "task.params.data=coco", f"task.params.source={converted}",
+                         "task.params.size=32", "loop.max_steps=4", "loop.epochs=1")  # fmt: skip
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
