@@ -2,8 +2,8 @@
 generated ImageFolder (examples/imagefolder.py's images, PNG and JPEG, read from the page cache)
 converted in a fresh process with a local Ray of each size. Each process converts a small set
 first: Ray Data's first execution in a process starts its workers and imports their libraries
-(seconds), which the second does not pay. Prints both rates (the summary line's: from the scan to
-meta.json) and the ratio of 2 CPUs to 1.
+(seconds), which the second does not pay. Prints both rates (the summary line's: from the scan of
+the source to meta.json, Ray's start-up left out) and the ratio of 2 CPUs to 1.
 
     .venv/bin/python scripts/bench_convert.py [--images 6000] [--size 64] [--rows-per-file 256]
 """

@@ -198,8 +198,9 @@ def convert(
     tmp = sub(dest, f".convert-{uuid.uuid4().hex[:8]}")
     fresh = not storage.is_uri(dest) and not os.path.exists(storage.local_path(dest))
     say(f"converting {plan.images} images ({_labels(plan.meta)}) of {src} into {dest}")
+    starting = time.monotonic()
     start(num_cpus)
-    began = time.monotonic()  # the conversion's own time, not Ray's start-up
+    began += time.monotonic() - starting  # the conversion's own time, not Ray's start-up
     try:
         results = _run(_jobs(plan, src, tmp, chunk_rows, rows_per_file), plan.images)
         skipped = _checked(plan, results, strict)
