@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _recipes_and_plan(sub: argparse._SubParsersAction) -> None:
-    """The verbs that read recipes without running one."""
+    """The verbs that read recipes without running one, and the conversion of a data set."""
     sub.add_parser("recipes", help="list the built-in recipes")
     plan = sub.add_parser(
         "plan",
@@ -81,6 +81,41 @@ def _recipes_and_plan(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("recipe", help="built-in recipe name or YAML path")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as train takes them")
+    _convert_parser(sub)
+
+
+def _convert_parser(sub: argparse._SubParsersAction) -> None:
+    convert = sub.add_parser(
+        "convert",
+        help="turn an image data set (an ImageFolder tree, a COCO directory) into the Parquet the recipes read, "
+        "once, on Ray Data (a local Ray, or the cluster in RAY_ADDRESS)",
+    )
+    convert.add_argument("format", choices=["imagefolder", "coco"], help="the source's format")
+    convert.add_argument("source", help="the source directory: a local path or a URI (s3://...)")
+    convert.add_argument("dest", help="the converted set's directory: a local path or a URI")
+    convert.add_argument("--strict", action="store_true", help="refuse a file that is not an image instead of skipping it")
+    convert.add_argument(
+        "--chunk-rows", type=int, default=None, metavar="N",
+        help="rows per Parquet row group: the run's data.shuffle_chunk_rows (default 128)",
+    )  # fmt: skip
+    convert.add_argument("--rows-per-file", type=int, default=None, metavar="N", help="rows per file (default 1024)")
+    convert.add_argument("--num-cpus", type=int, default=None, metavar="N", help="a local Ray's CPUs (default: all)")
+
+
+def _convert(args: argparse.Namespace, argv: list[str]) -> int:
+    """``convert``: the summary line printed; bad input is exit code 2 naming it."""
+    from raytrain_loops.data.formats.layout import SourceError
+    from raytrain_loops.tools import convert
+
+    sizes = {"chunk_rows": args.chunk_rows or convert.CHUNK_ROWS, "rows_per_file": args.rows_per_file or convert.ROWS_PER_FILE}
+    try:
+        summary = convert.convert(
+            args.format, args.source, args.dest, strict=args.strict, num_cpus=args.num_cpus, **sizes
+        )
+    except (SourceError, FileNotFoundError) as err:
+        return _error(str(err))
+    print(summary.line())
+    return 0
 
 
 def _error(message: str) -> int:
@@ -245,6 +280,7 @@ def _failed(command: str, err: Exception, local: bool = False) -> int:
 VERBS = {
     "recipes": _recipes,
     "plan": _plan,
+    "convert": _convert,
     "export": _export,
     "evaluate": _evaluate,
     "submit": _submit,

@@ -3,6 +3,8 @@ share no disk (tests/multinode.py): one training worker per node, data and run d
 S3 server, streamed by the workers (``data.materialize=never``), a preprocessing slot left on each
 node. Each run's checkpoints record where it trained (every worker's node) and where its rows
 were preprocessed (each worker's rows per node, ``preprocessed_on``): both nodes did both.
+Between the two runs, ``raytrain-loops convert`` turns a COCO directory in the bucket into the
+plan's Parquet in the bucket, on the cluster.
 
 The ``images_cls`` run is also the run in a bucket that survives a killed worker: its data
 uploaded from the driver's staging directory, its log holding each step once, its best
@@ -20,8 +22,10 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain_loops import storage
+from raytrain_loops.data import identity
 from raytrain_loops.engine.checkpoint import files as ckpt
 from tests.test_hf_lm import _corpus
+from tests.vision_data import write_coco
 
 TINY_GPT2 = '{"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}'
 
@@ -98,6 +102,17 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     summary = json.loads(storage.read_text(storage.join(hf_dir, "summary.json")))
     assert summary["metrics"]["step"] == 16 and "eval_bpb" in summary["metrics"], summary
     assert _where(hf_dir) == (nodes, nodes)
+
+    # raytrain-loops convert on the cluster, the source and the destination in the bucket: a COCO
+    # directory's parts written by Ray Data tasks on either node, moved into place, meta.json last.
+    fs, base = pafs.FileSystem.from_uri(cluster.s3.uri("coco-src"))
+    pafs.copy_files(str(write_coco(tmp_path / "coco", images=40)), base, destination_filesystem=fs)
+    src, dest = cluster.s3.uri("coco-src"), cluster.s3.uri("coco-dest")
+    converted = cluster.cli("convert", "coco", src, dest, "--rows-per-file", "10", "--chunk-rows", "5", home=home)
+    assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
+    assert "converted 40 images, 2 categories, " in converted.stdout and "into 4 files" in converted.stdout
+    assert identity.identity(dest)["rows"] == {f"train/part-0000{k}.parquet": 10 for k in range(4)}
+    assert json.loads(storage.read_text(storage.join(dest, "meta.json")))["splits"] == {"train": 40}
 
     # Rank 0 (it writes the run log) killed at step 6: Ray restarts the group on both nodes.
     images = [

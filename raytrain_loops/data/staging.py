@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from raytrain_loops.data import identity
+
 STAGING_ROOT = "~/.cache/raytrain_loops/staging"
 RECORD = ".uploaded.json"
 """In a staging directory: relative path -> [size, mtime_ns] of each file as it was uploaded."""
@@ -77,16 +79,10 @@ def remote_sizes(dest: str) -> dict[str, int]:
 
 
 def local_files(local: Path) -> dict[str, list[int]]:
-    """The files a task prepared under ``local``: relative path -> [size, mtime_ns]. Hidden files
-    and those still being written (``*.tmp*``) are left out, and ``uri.txt``."""
-    out = {}
-    for path in sorted(local.rglob("*")):
-        rel = path.relative_to(local).as_posix()
-        if not path.is_file() or rel == "uri.txt" or any(p.startswith(".") or ".tmp" in p for p in rel.split("/")):
-            continue
-        st = path.stat()
-        out[rel] = [st.st_size, st.st_mtime_ns]
-    return out
+    """The files a task prepared under ``local``: relative path -> [size, mtime_ns] (the quick
+    check of :func:`~raytrain_loops.data.identity.stamps`). Hidden files and those still being
+    written (``*.tmp*``) are left out, and ``uri.txt``."""
+    return {rel: stamp for rel, stamp in identity.stamps(str(local), mtimes=True).items() if rel != "uri.txt"}
 
 
 def to_upload(local: dict[str, list[int]], remote: dict[str, int], record: dict[str, list[int]]) -> list[str]:

@@ -33,25 +33,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.config import ConfigError
+from raytrain_loops.data.formats.images import ConvertedSet, coco_view, decode
+from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.data.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, write_shapes
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task, params_at_least
+from raytrain_loops.tasks.cvnets import load_backbone
 from raytrain_loops.tasks.detection import (
     MeanAveragePrecision,
     cxcywh_to_xyxy,
     generalized_box_iou,
     hungarian_match,
 )
+from raytrain_loops.tasks.images import Block
 
 BASE_TERMS = ("loss_ce", "loss_bbox", "loss_giou")
+COCO_COLUMNS = ["image", "image_id", "category_ids", "boxes", "iscrowd"]
 MEAN = torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1)
 STD = torch.tensor([0.25, 0.25, 0.25]).view(1, 3, 1, 1)
 
 
 class Backbone(nn.Module):
-    """Four 3x3 conv blocks with BatchNorm, the first three of stride 2: (B, 3, H, W) -> (B, C, H/8, W/8)."""
+    """(B, 3, H, W) -> (B, 4 * width, H/8, W/8). ``depth`` 0: four 3x3 conv blocks with BatchNorm,
+    the first three of stride 2. ``depth`` >= 1: a ResNet-style stack, a 3x3 stem of stride 2 and
+    three stages of ``depth`` basic residual blocks each (``width``, 2x and 4x its channels; the
+    second and third stages start at stride 2)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, depth: int = 0):
         super().__init__()
 
         def block(cin, cout, stride):
@@ -59,12 +67,16 @@ class Backbone(nn.Module):
                 nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
             )
 
-        self.body = nn.Sequential(
-            block(3, width, 2),
-            block(width, 2 * width, 2),
-            block(2 * width, 4 * width, 2),
-            block(4 * width, 4 * width, 1),
-        )
+        if depth == 0:
+            layers = [block(3, width, 2), block(width, 2 * width, 2), block(2 * width, 4 * width, 2)]
+            layers.append(block(4 * width, 4 * width, 1))
+        else:
+            layers, cin = [block(3, width, 2)], width
+            for stage, cout in enumerate((width, 2 * width, 4 * width)):
+                for k in range(depth):
+                    layers.append(Block(cin, cout, 2 if stage and not k else 1))
+                    cin = cout
+        self.body = nn.Sequential(*layers)
         self.channels = 4 * width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,9 +105,10 @@ class DETR(nn.Module):
         width: int,
         size: int,
         dropout: float,
+        depth: int = 0,
     ):
         super().__init__()
-        self.backbone = Backbone(width)
+        self.backbone = Backbone(width, depth)
         self.proj = nn.Conv2d(self.backbone.channels, dim, 1)
         tokens = (size // 8) ** 2
         self.pos = nn.Parameter(torch.randn(1, tokens, dim) * 0.02)
@@ -151,7 +164,13 @@ def expand_weights(weight_dict: dict[str, float], aux_layers: int) -> dict[str, 
 
 class DetrTask(Task):
     """DETR on ``shapes``; see the module docstring. ``param_groups`` puts the backbone at
-    ``backbone_lr_scale`` times the learning rate (``optim.param_groups=task``)."""
+    ``backbone_lr_scale`` times the learning rate (``optim.param_groups=task``).
+    ``data=coco`` makes a :class:`DetrCocoTask`."""
+
+    def __new__(cls, *args: Any, data: str = "shapes", **params: Any):
+        if data not in ("shapes", "coco"):
+            raise ConfigError("task.params.data", f"must be one of ['shapes', 'coco']; got {data!r}")
+        return super().__new__(DetrCocoTask if cls is DetrTask and data == "coco" else cls)
 
     count_keys = ("boxes",)
 
@@ -171,7 +190,11 @@ class DetrTask(Task):
         cost_giou: float = 2.0,
         backbone_lr_scale: float = 0.1,
         aux_loss: bool = True,
-        **data: Any,
+        depth: int = 0,
+        backbone_weights: str = "",
+        data: str = "shapes",
+        source: str = "",
+        **generated: Any,
     ):
         params_at_least(
             ("num_queries", num_queries, 1),
@@ -180,24 +203,28 @@ class DetrTask(Task):
             ("enc_layers", enc_layers, 0),
             ("dec_layers", dec_layers, 1),
             ("width", width, 1),
+            ("depth", depth, 0),
         )
         if dim % heads:
             raise ConfigError("task.params.dim", f"must be a multiple of heads={heads}; got {dim}")
         if not 0.0 < eos_coef <= 1.0:
             raise ConfigError("task.params.eos_coef", f"must be in (0, 1]; got {eos_coef}")
-        unknown = sorted(set(data) - set(ShapesSpec.__dataclass_fields__))
+        unknown = sorted(set(generated) - set(ShapesSpec.__dataclass_fields__))
         if unknown:
             raise ConfigError("task.params", f"unknown key(s) {unknown} for task 'detr'")
         try:
-            self.spec = ShapesSpec(**data)
+            self.spec = ShapesSpec(**generated)
         except ValueError as err:
             raise ConfigError("task.params", str(err)) from None
-        if num_queries < self.spec.max_objects:
+        if source and data == "shapes":
+            raise ConfigError("task.params.source", "names a converted COCO set, for task.params.data=coco")
+        if num_queries < self.spec.max_objects and data == "shapes":
             raise ConfigError(
                 "task.params.num_queries", f"must be >= max_objects={self.spec.max_objects}; got {num_queries}"
             )
         self.num_queries, self.dim, self.heads = num_queries, dim, heads
         self.enc_layers, self.dec_layers, self.width, self.dropout = enc_layers, dec_layers, width, dropout
+        self.depth, self.backbone_weights = depth, backbone_weights
         self.eos_coef, self.backbone_lr_scale, self.aux_loss = eos_coef, backbone_lr_scale, aux_loss
         self.costs = (cost_class, cost_bbox, cost_giou)
         base = weight_dict or {"loss_ce": 1.0, "loss_bbox": 5.0, "loss_giou": 2.0}
@@ -244,7 +271,10 @@ class DetrTask(Task):
             self.width,
             self.spec.size,
             self.dropout,
+            self.depth,
         )
+        if self.backbone_weights:
+            load_backbone(model.backbone, self.backbone_weights)
         self._initial = copy.deepcopy(model).eval().requires_grad_(False)
         return model
 
@@ -339,3 +369,57 @@ class DetrTask(Task):
                 init_logits, init_boxes = initial(batch["images"])
                 metrics["init"].update(self.detections(init_logits[-1], init_boxes[-1]), targets)
         return out
+
+
+class DetrCocoTask(DetrTask):
+    """DETR on a converted COCO directory (``data=coco``, the set at ``source``): each image
+    decoded in ``preprocess``, its crowd annotations left out as DETR's ``ConvertCocoPolysToMask``
+    does, the categories in ``meta.json``'s order as the classes. Training: DETR's flip, random
+    resize (the longer side to 0.75 to 1.25 of ``size``) and random crop of ``size`` x ``size``
+    (boxes clipped to it, emptied ones dropped); evaluation: the longer side resized to ``size``.
+    Images are padded to ``size`` x ``size`` at the bottom and right (the encoder's positions are
+    a fixed grid); boxes as (cx, cy, w, h) over ``size``. An image's id is its COCO id."""
+
+    def __init__(self, source: str = "", data: str = "coco", **params: Any):
+        super().__init__(**params)
+        self.images = ConvertedSet(source, "coco")
+
+    def prepare(self, data_dir: Path) -> None:
+        self.num_classes = len(self.images.meta["categories"])
+
+    def build_model(self) -> nn.Module:
+        self.prepare(Path("."))
+        return super().build_model()
+
+    def data_digest(self) -> str:
+        return self.images.digest
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        found = {name: self.images.split(name) for name in ("train", "eval")}
+        return {name: ParquetSplit(path, COCO_COLUMNS) for name, path in found.items() if path}
+
+    def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+        index = {c["id"]: i for i, c in enumerate(self.images.meta["categories"])}
+        n, s = len(batch["image"]), self.spec.size
+        images = np.zeros((n, 3, s, s), dtype=np.uint8)
+        labels, boxes = np.empty(n, dtype=object), np.empty(n, dtype=object)
+        for i in range(n):
+            rng = np.random.default_rng(int(batch[ROW_SEED][i]))
+            keep = np.asarray(batch["iscrowd"][i], dtype=np.int64) == 0
+            xywh = np.asarray(batch["boxes"][i], dtype=np.float64).reshape(-1, 4)[keep]
+            image = decode(batch["image"][i], 3)
+            image, xyxy = coco_view(image, np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1), s, train, rng)
+            cats = np.asarray(batch["category_ids"][i], dtype=np.int64)[keep]
+            visible = (xyxy[:, 2] > xyxy[:, 0]) & (xyxy[:, 3] > xyxy[:, 1])
+            xyxy, cats = xyxy[visible] / s, cats[visible]
+            images[i, :, : image.shape[1], : image.shape[2]] = image
+            labels[i] = np.asarray([index[c] for c in cats], dtype=np.int64)
+            boxes[i] = np.concatenate([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], 1).astype(np.float32)
+        return {"image": images, "labels": labels, "boxes": boxes, "id": np.asarray(batch["image_id"], dtype=np.int64)}
+
+    def collate(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        x = torch.from_numpy(np.ascontiguousarray(batch["image"])).float().div_(255.0)
+        labels = [torch.as_tensor(v, dtype=torch.long) for v in batch["labels"]]
+        boxes = [torch.as_tensor(v, dtype=torch.float32).reshape(-1, 4) for v in batch["boxes"]]
+        ids = torch.as_tensor(np.asarray(batch["id"]), dtype=torch.long)
+        return {"images": (x - MEAN) / STD, "labels": labels, "boxes": boxes, "ids": ids}

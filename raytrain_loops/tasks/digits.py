@@ -48,7 +48,7 @@ def write_digits_parquet(out_dir: Path, test_size: float = 0.25, seed: int = 0) 
 class SmallCNN(nn.Module):
     """Three 3x3 conv blocks with BatchNorm, one pooling, global average, linear head."""
 
-    def __init__(self, width: int = 32, num_classes: int = 10, dropout: float = 0.1):
+    def __init__(self, width: int = 32, num_classes: int = 10, dropout: float = 0.1, in_channels: int = 1):
         super().__init__()
 
         def block(cin, cout):
@@ -57,7 +57,7 @@ class SmallCNN(nn.Module):
             )
 
         self.features = nn.Sequential(
-            block(1, width),
+            block(in_channels, width),
             block(width, 2 * width),
             nn.MaxPool2d(2),
             block(2 * width, 4 * width),

@@ -1,4 +1,5 @@
-"""DINO self-distillation on the 8x8 digits: the DINO seed loop at toy scale, labels unused.
+"""DINO self-distillation on the 8x8 digits: the DINO seed loop at toy scale, labels unused; or,
+``task.params.data=imagefolder``, on a converted ImageFolder (:class:`DinoFolderTask`).
 
 Per image the student sees 2 global views and ``local_crops`` smaller crops, all cut and resized
 with tensor operations (an affine grid and bilinear sampling, no torchvision); the teacher, the
@@ -28,14 +29,19 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.config import ConfigError
+from raytrain_loops.data.formats import images as image_views
+from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.engine import LossOutput, StepContext, unwrap
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, params_at_least
+from raytrain_loops.tasks.cvnets import DATA
 from raytrain_loops.tasks.digits import COLUMNS, DigitsTask, SmallCNN
 
 TEACHER_TEMP = "teacher_temp"
@@ -125,9 +131,11 @@ class DinoModel(nn.Module):
     teacher's outputs (a buffer, so it is checkpointed with the student; the teacher's copy of it
     is not used)."""
 
-    def __init__(self, width: int, out_dim: int, hidden_dim: int, bottleneck_dim: int, use_bn: bool = False):
+    def __init__(
+        self, width: int, out_dim: int, hidden_dim: int, bottleneck_dim: int, use_bn: bool = False, in_channels: int = 1
+    ):
         super().__init__()
-        cnn = SmallCNN(width)
+        cnn = SmallCNN(width, in_channels=in_channels)
         self.backbone = cnn.features
         self.head = DinoHead(cnn.feature_dim, out_dim, hidden_dim, bottleneck_dim, use_bn)
         self.register_buffer("center", torch.zeros(out_dim))
@@ -214,7 +222,13 @@ class DinoTask(DigitsTask):
     Reads ``schedules.teacher_temp`` from ``ctx.values`` and needs ``ema.enabled=true`` (the
     teacher) with ``ema.buffers=keep``: the teacher normalises with its own batch statistics
     in training, as in DINO, and keeps its own running statistics for evaluation.
+    ``data=imagefolder`` makes a :class:`DinoFolderTask`.
     """
+
+    def __new__(cls, *args: Any, data: str = "digits", **params: Any):
+        if data not in DATA:
+            raise ConfigError("task.params.data", f"must be one of {list(DATA)}; got {data!r}")
+        return super().__new__(DinoFolderTask if cls is DinoTask and data == "imagefolder" else cls)
 
     def __init__(
         self,
@@ -232,6 +246,7 @@ class DinoTask(DigitsTask):
         student_temp: float = 0.1,
         center_momentum: float = 0.9,
         knn_k: int = 20,
+        data: str = "digits",
     ):
         params_at_least(
             ("width", width, 1),
@@ -285,6 +300,11 @@ class DinoTask(DigitsTask):
             views.append(random_resized_crops(many, self.local_size, self.local_scale, max_rotation=rot))
         return [jitter_intensity(v, strength) for v in views]
 
+    def batch_views(self, batch) -> tuple[list[torch.Tensor], int]:
+        """A training batch's views (:meth:`views`) and its number of images."""
+        x, _ = batch
+        return self.views(x), len(x)
+
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
         if ctx.ema is None:
             raise ValueError("task 'dino' needs the teacher: set ema.enabled=true")
@@ -293,8 +313,7 @@ class DinoTask(DigitsTask):
                 f"task 'dino' reads the teacher temperature from schedules.{TEACHER_TEMP}, which the config lacks; "
                 f"add e.g. schedules.{TEACHER_TEMP}: {{value: 0.04, warmup_start: 0.02, warmup_steps: 200}}"
             )
-        x, _ = batch
-        views = self.views(x)
+        views, n = self.batch_views(batch)
         student_out = model(*views)
         teacher = ctx.ema.train()  # batch statistics in its BatchNorm layers, as DINO's teacher
         with torch.no_grad():
@@ -313,7 +332,7 @@ class DinoTask(DigitsTask):
             "feature_std": feature_std(teacher_features),
             TEACHER_TEMP: ctx.values[TEACHER_TEMP],
         }
-        return LossOutput(loss, sample_size=len(x), logs=logs, stats={"center": center_stats(teacher_out)})
+        return LossOutput(loss, sample_size=n, logs=logs, stats={"center": center_stats(teacher_out)})
 
     def after_step(self, model: nn.Module, stats: dict[str, torch.Tensor]) -> None:
         update_center(unwrap(model).center, stats["center"], self.center_momentum)
@@ -345,3 +364,71 @@ class DinoTask(DigitsTask):
         table = pq.read_table(path, columns=COLUMNS)
         images = table.column("image").combine_chunks().to_numpy_ndarray()
         return self.collate({"image": images, "label": table.column("label").to_numpy()})
+
+
+class DinoFolderTask(DinoTask):
+    """DINO on a converted ImageFolder (``data=imagefolder``, the set at ``source``), labels used
+    by the k-NN evaluation only: each training image's multi-crop views made in ``preprocess``
+    from its row's seed (:func:`~raytrain_loops.data.formats.images.multi_crop`: 2 global views
+    of ``size``, ``local_crops`` of ``local_size``, colour jitter, blur, solarisation); the
+    evaluation and the k-NN bank (the train split, read on every worker) resized and centre
+    cropped to ``size``; the backbone's input channels those of the data."""
+
+    def __init__(self, source: str = "", size: int = 32, data: str = "imagefolder", **params: Any):
+        digits_only = sorted({"max_rotation", "intensity"} & set(params))
+        if digits_only:
+            raise ConfigError(f"task.params.{digits_only[0]}", "is the digits' view; images get DINO's colour jitter, blur and solarisation")
+        params_at_least(("size", size, 8))
+        super().__init__(**params)
+        self.images = image_views.ConvertedSet(source, "imagefolder")
+        self.size = size
+
+    def prepare(self, data_dir: Path) -> None:
+        self.images.meta  # noqa: B018  (read and checked on the driver, carried to the workers)
+
+    def splits(self, data_dir: Path) -> dict[str, ParquetSplit]:
+        found = {name: self.images.split(name) for name in ("train", "eval")}
+        self.bank_path = found["train"]
+        return {name: ParquetSplit(path, COLUMNS) for name, path in found.items() if path}
+
+    def data_digest(self) -> str:
+        return self.images.digest
+
+    def build_model(self) -> nn.Module:
+        channels = self.images.channels
+        model = DinoModel(self.width, self.out_dim, self.hidden_dim, self.bottleneck_dim, self.head_bn, channels)
+        self._initial_backbone = copy.deepcopy(model.backbone).eval().requires_grad_(False)
+        return model
+
+    def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+        decoded = [image_views.decode(raw, self.images.channels) for raw in batch["image"]]
+        if not train:
+            return {"image": np.stack([image_views.chw(image_views.center_crop(i, self.size)) for i in decoded]),
+                    "label": np.asarray(batch["label"])}  # fmt: skip
+        crops = [
+            image_views.multi_crop(image, np.random.default_rng(int(seed)), self.size, self.local_size,
+                                   self.local_crops, self.global_scale, self.local_scale)
+            for image, seed in zip(decoded, batch[ROW_SEED], strict=True)
+        ]  # fmt: skip
+        return {"global": np.stack([g for g, _ in crops]), "local": np.stack([lo for _, lo in crops]),
+                "label": np.asarray(batch["label"])}  # fmt: skip
+
+    def collate(self, batch: dict[str, np.ndarray]):
+        """Training: ``(views, labels)``, the views view-major as :meth:`DinoTask.views` orders
+        them; evaluation: ``(images, labels)``. Pixels scaled to [0, 1]."""
+        labels = torch.as_tensor(np.asarray(batch["label"]), dtype=torch.long)
+        if "global" not in batch:
+            return torch.from_numpy(np.ascontiguousarray(batch["image"])).float().div_(255.0), labels
+        views = [torch.from_numpy(np.ascontiguousarray(batch[k])).float().div_(255.0) for k in ("global", "local")]
+        return [torch.cat(v.unbind(1)) for v in views if v.shape[1]], labels
+
+    def batch_views(self, batch) -> tuple[list[torch.Tensor], int]:
+        views, labels = batch
+        return views, len(labels)
+
+    def read(self, path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=COLUMNS)
+        rows = {"image": np.asarray(table.column("image").to_pylist(), dtype=object), "label": table.column("label").to_numpy()}
+        return self.collate(self.preprocess(rows, train=False))

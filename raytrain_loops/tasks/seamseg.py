@@ -311,9 +311,18 @@ class SeamsegTask(Task):
     ratios; see the module docstring. ``task.params``: the network's ``width``, ``loss_weights``
     (one per term of :data:`TERMS`, in order), the detections kept per image (``top_k``, above
     ``score_threshold``), and the data set's parameters (``ShapesSpec``; ``widths`` defaults to
-    two aspect ratios)."""
+    two aspect ratios). ``data=coco``: a converted COCO directory (``tasks/converted/seamseg_coco.py``)."""
 
     count_keys = ("objects",)
+
+    def __new__(cls, *args: Any, data: str = "shapes", **params: Any):
+        if data not in ("shapes", "coco"):
+            raise ConfigError("task.params.data", f"must be one of ['shapes', 'coco']; got {data!r}")
+        if cls is SeamsegTask and data == "coco":
+            from raytrain_loops.tasks.converted.seamseg_coco import SeamsegCocoTask
+
+            cls = SeamsegCocoTask
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -322,15 +331,16 @@ class SeamsegTask(Task):
         top_k: int = 10,
         score_threshold: float = 0.05,
         widths: Sequence[int] = (64, 96),
-        **data: Any,
+        data: str = "shapes",
+        **generated: Any,
     ):
         params_at_least(("width", width, 1), ("top_k", top_k, 1))
         self.weights = term_weights(loss_weights)
-        unknown = sorted(set(data) - set(ShapesSpec.__dataclass_fields__))
+        unknown = sorted(set(generated) - set(ShapesSpec.__dataclass_fields__))
         if unknown:
             raise ConfigError("task.params", f"unknown key(s) {unknown} for task 'seamseg'")
         try:
-            self.spec = ShapesSpec(**data, widths=tuple(widths))
+            self.spec = ShapesSpec(**generated, widths=tuple(widths))
         except ValueError as err:
             raise ConfigError("task.params", str(err)) from None
         for key, value in [("size", self.spec.size), *(("widths", w) for w in self.spec.widths)]:
