@@ -232,7 +232,8 @@ def test_parquet_batches_of_a_cuda_worker_are_pinned_and_adam_runs_fused(tmp_pat
 
     tiny = ["task.params.vocab=512", "task.params.dim=32", "task.params.layers=1", "task.params.heads=2"]
     tiny += ["task.params.max_len=64", "task.params.max_tokens=256", "task.params.tokens=20000"]
-    config = load_config(resolve("lm_gpt"), [*tiny, f"data.dir={tmp_path}"])
+    # The engine is built here, not by the wiring that resolves precision.dtype=auto first.
+    config = load_config(resolve("lm_gpt"), [*tiny, f"data.dir={tmp_path}", "precision.dtype=bf16"])
     task, splits, rows = prepare(config, None)
     for device, pinned in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
         batch = next(iter(Batches(task, config, splits, rows, 0, 1, device, preprocessed_here).batches("train", 0)))
