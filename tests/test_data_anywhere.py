@@ -228,7 +228,7 @@ def test_a_preprocessing_task_that_fails_to_read_a_file_reaches_the_cli_as_its_o
 
 
 @pytest.mark.ray
-def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preprocessing_cpus(ray_session, tmp_path):
+def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preprocessing_cpus(ray_session, tmp_path, capsys):
     from raytrain_loops.data.parquet import index_split
     from raytrain_loops.driver.nodes import check_nodes, check_preprocess_cpus
     from raytrain_loops.tasks import build_task
@@ -249,6 +249,13 @@ def test_the_driver_checks_each_node_reads_the_streamed_splits_and_the_preproces
     check_preprocess_cpus(load_config(None, ["data.preprocess.num_cpus=2"]), images, {"train": split})  # 4 - 2 left
     with pytest.raises(ConfigError, match=r"data\.preprocess\.num_cpus.*asks 3 CPUs.*2 of them left beside the 2"):
         check_preprocess_cpus(config, images, {"train": split})
+    # Custom resources and GPUs on one node: the session's node advertises accel 2 and no GPU.
+    check_preprocess_cpus(load_config(None, ["data.preprocess.resources={accel: 2}"]), images, {"train": split})
+    with pytest.raises(ConfigError, match=r"^data\.preprocess\.resources\.accel: .*asks accel 3 on one node, but the nodes have accel 2$"):
+        check_preprocess_cpus(load_config(None, ["data.preprocess.resources={accel: 3}"]), images, {"train": split})
+    capsys.readouterr()
+    check_preprocess_cpus(load_config(None, ["data.preprocess.num_gpus=1"]), images, {"train": split})
+    assert capsys.readouterr().out.startswith("data.preprocess: no node advertises GPU yet: the preprocessing waits")
 
 
 def test_a_data_dir_only_the_head_has_stops_the_run_naming_data_dir_and_the_node(cluster, tmp_path):

@@ -1,9 +1,10 @@
 """The cluster's checks on the driver, once Ray is up and before the trainer starts: every alive
 node that can host work opens what it will read (:mod:`raytrain_loops.data.reach`, in a Ray task
-pinned to the node, all of them bounded by ``PROBE_TIMEOUT_S``), and the cluster has CPUs for a
-preprocessing task beside the training workers (its tasks would otherwise wait for them until
-the worker's bound on the wait, ``worker/batches.py`` ``WAIT_S``, stopped the epoch). Each worker checks its own node again at every attempt
-(``worker/train.py``): a cluster that scales from zero adds its nodes then.
+pinned to the node, all of them bounded by ``PROBE_TIMEOUT_S``), and a preprocessing task fits
+somewhere: its CPUs beside the training workers, its GPUs and custom resources on one node (its
+tasks would otherwise wait until a worker's ``data.preprocess.timeout_s``). Each worker checks its
+own node again at every attempt (``worker/train.py``): a cluster that scales from zero adds its
+nodes then.
 """
 
 from __future__ import annotations
@@ -70,14 +71,21 @@ def check_nodes(config: Config, splits: dict[str, Any], held: set[str]) -> None:
 
 
 def check_preprocess_cpus(config: Config, task: Task, splits: dict[str, Any]) -> None:
-    """A preprocessing task's ``data.preprocess.num_cpus`` must fit on one node and in what the
-    cluster has left beside the training workers' CPUs; refused naming the key otherwise. A
-    cluster that cannot hold the training workers yet is scaling up (its nodes come from zero)
-    and is not judged."""
-    need = config.data.preprocess.num_cpus
-    if need == 0 or not has_preprocess(task) or not any(isinstance(s, ParquetSplit) for s in splits.values()):
+    """A preprocessing task's ``data.preprocess`` ask must fit: its ``num_cpus`` on one node and in
+    what the cluster has left beside the training workers' CPUs, its ``num_gpus`` and
+    ``resources`` on one node that has them all (a node that advertises a resource with less than
+    asked is refused naming the key). A resource no node advertises yet is said on the console,
+    not refused: an autoscaling pool adds its nodes when the work asks for them. A cluster that
+    cannot hold the training workers yet is scaling up (its nodes come from zero) and is not judged."""
+    p = config.data.preprocess
+    if not has_preprocess(task) or not any(isinstance(s, ParquetSplit) for s in splits.values()):
         return
-    cpus = [float(n["Resources"].get("CPU", 0)) for n in work_nodes()]
+    nodes = [n["Resources"] for n in work_nodes()]
+    _check_extra(p.num_gpus, dict(p.resources), nodes)
+    need = p.num_cpus
+    if need == 0:
+        return
+    cpus = [float(n.get("CPU", 0)) for n in nodes]
     s = config.scaling
     workers = s.num_workers * s.cpus_per_worker
     if sum(cpus) < workers:
@@ -91,6 +99,25 @@ def check_preprocess_cpus(config: Config, task: Task, splits: dict[str, Any]) ->
             f"{s.cpus_per_worker:g}: the tasks would wait for them. Lower data.preprocess.num_cpus or "
             "scaling.cpus_per_worker, or add CPUs",
         )
+
+
+def _check_extra(gpus: float, resources: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """The GPUs and custom resources of one preprocessing task, on one node (see above)."""
+    ask = {**({"GPU": gpus} if gpus else {}), **resources}
+    if not ask or any(all(n.get(k, 0) >= v for k, v in ask.items()) for n in nodes):
+        return
+    missing = [k for k in ask if not any(n.get(k, 0) > 0 for n in nodes)]
+    if missing:
+        print(
+            f"data.preprocess: no node advertises {', '.join(missing)} yet: the preprocessing waits for one that does "
+            "(a node of an autoscaling pool), up to data.preprocess.timeout_s",
+            flush=True,
+        )
+        return
+    key = "data.preprocess.num_gpus" if "GPU" in ask else f"data.preprocess.resources.{next(iter(resources))}"
+    offered = "; ".join(", ".join(f"{k} {n.get(k, 0):g}" for k in ask) for n in nodes)
+    asked = ", ".join(f"{k} {v:g}" for k, v in ask.items())
+    raise ConfigError(key, f"each preprocessing task asks {asked} on one node, but the nodes have {offered}")
 
 
 def check_cluster(config: Config, task: Task, splits: dict[str, Any]) -> None:
