@@ -1,7 +1,7 @@
 """``raytrain-loops convert``: an ImageFolder tree and a COCO directory written by the tests
 (tests/vision_data.py), converted on Ray Data into the Parquet the plan reads, locally and in a
 bucket (moto's S3 server); the COCO round trip against pycocotools; bad input named before
-anything is written; the data set's identity (raytrain_loops/data/identity.py)."""
+anything is written; the data set's identity (raytrain_loops/data/formats/identity.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain_loops import cli
-from raytrain_loops.data import identity
+from raytrain_loops.data.formats import identity
 from raytrain_loops.data.formats.coco import decode_mask
 from raytrain_loops.data.formats.layout import SourceError, read_meta
 from raytrain_loops.tools.convert import convert

@@ -13,7 +13,7 @@ import torch
 from examples.imagefolder import main as example
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
-from raytrain_loops.data import identity
+from raytrain_loops.data.formats import identity
 from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import build_task

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from raytrain_loops.data import identity
+from raytrain_loops.data.formats import identity
 
 STAGING_ROOT = "~/.cache/raytrain_loops/staging"
 RECORD = ".uploaded.json"
@@ -80,7 +80,7 @@ def remote_sizes(dest: str) -> dict[str, int]:
 
 def local_files(local: Path) -> dict[str, list[int]]:
     """The files a task prepared under ``local``: relative path -> [size, mtime_ns] (the quick
-    check of :func:`~raytrain_loops.data.identity.stamps`). Hidden files and those still being
+    check of :func:`~raytrain_loops.data.formats.identity.stamps`). Hidden files and those still being
     written (``*.tmp*``) are left out, and ``uri.txt``."""
     return {rel: stamp for rel, stamp in identity.stamps(str(local), mtimes=True).items() if rel != "uri.txt"}
 

@@ -85,7 +85,7 @@ class Task:
 
     def preprocess(self, batch: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
         """Per-row work on Parquet rows before they reach the worker (decode, augment, tokenize):
-        runs in Ray tasks on the cluster's CPUs (``data.preprocess``), not on the training
+        runs on Ray Data on the cluster's CPUs (``data.preprocess``), not on the training
         worker; ``train``: a batch of the train split (augment) or of the eval split (do not).
         Column name -> NumPy array in, the same out, **one row out per row in** (positions and the
         run's length count input rows). ``batch["_row_seed"]``

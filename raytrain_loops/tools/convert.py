@@ -30,8 +30,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data import identity
-from raytrain_loops.data.formats import layout, parts
+from raytrain_loops.data.formats import identity, layout, parts
 from raytrain_loops.data.formats.layout import META, Plan, SourceError, part_name, sub
 
 ROWS_PER_FILE = 1024

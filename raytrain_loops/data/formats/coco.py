@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_loops.data import identity
+from raytrain_loops.data.formats import identity
 from raytrain_loops.data.formats.layout import Plan, SourceError, dirs, read_json, sub
 
 KIND = "coco"

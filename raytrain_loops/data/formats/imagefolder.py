@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_loops.data import identity
+from raytrain_loops.data.formats import identity
 from raytrain_loops.data.formats.layout import SPLIT_NAMES, Plan, SourceError, dirs, sub
 
 KIND = "imagefolder"
