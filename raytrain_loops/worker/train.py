@@ -108,8 +108,7 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     rank, world = context.get_world_rank(), context.get_world_size()
     node = f"{ray.util.get_node_ip_address()} (node id {ray.get_runtime_context().get_node_id()[:12]})"
     payload = dataset_shards(payload)
-    files = {name: split for name, split in payload.splits.items() if not isinstance(split, DatasetSplit)}
-    check_here(payload.config.data.dir, files, node)  # this attempt's node reaches the data
+    check_here(payload.config.data.dir, payload.splits, node)  # this attempt's node reaches the data
     sender = payload.console or Sender(None)
     try:
         wired = wire(
