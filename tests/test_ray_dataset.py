@@ -71,7 +71,8 @@ class Logged(Task):
     def splits(self, data_dir):
         import ray.data
 
-        return {"train": ray.data.read_parquet(self.path, override_num_blocks=2).map_batches(_plus_half, batch_size=None)}
+        ds = ray.data.read_parquet(self.path, override_num_blocks=2).map_batches(_plus_half, batch_size=None)
+        return {"train": ds, "eval": DatasetSplit(ds, rows=ROWS)}
 
     def collate(self, batch):
         return torch.as_tensor(batch["id"]), torch.as_tensor(batch["x"])
@@ -86,6 +87,11 @@ class Logged(Task):
             with open(os.path.join(self.log, str(os.getpid())), "a") as f:
                 f.write(f"{ctx.epoch} {ctx.step} {','.join(map(str, ids.tolist()))}\n")
         return LossOutput(model(x[:, None]).square().mean(), sample_size=len(ids))
+
+
+    def evaluate(self, model, batch):
+        ids, x = batch
+        return {"x": (x.mean(), len(ids))}
 
 
 def _trained(log: Path) -> dict[str, list[tuple[int, int, list[int]]]]:
@@ -104,7 +110,7 @@ def test_two_workers_train_disjoint_shards_of_a_ray_dataset_and_a_resumed_epoch_
     every 4 steps, a fault after step 14. Epoch 0: the workers' rows are disjoint and cover the
     Dataset. The retried attempt resumes at step 12 (epoch 1, 4 batches in): it trains steps 13-16
     on epoch 1 read from its first rows again, so it trains the rows epoch 1's first 4 steps had
-    trained, and the run ends at step 16."""
+    trained, and the run ends at step 16. The eval split, the same Dataset, is evaluated whole."""
     log = tmp_path / "log"
     log.mkdir()
     result = fit(
@@ -120,6 +126,7 @@ def test_two_workers_train_disjoint_shards_of_a_ray_dataset_and_a_resumed_epoch_
         task=Logged(_ids(tmp_path / "ids"), str(log)),
     )
     assert result.metrics["step"] == 16
+    assert result.metrics["eval_x"] == pytest.approx(ROWS / 2)  # the mean of id + 0.5: each eval row once
     trained = _trained(log)
     first = {pid: b for pid, b in trained.items() if any(epoch == 0 for epoch, _, _ in b)}
     second = {pid: b for pid, b in trained.items() if pid not in first}
