@@ -258,7 +258,7 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             rows[name] = dataset_rows(config, task, name, split)
         else:
             refused = unaccepted(f"split '{name}'", split)
-            raise DataError(refused or f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
+            raise DataError(refused or f"split '{name}': expected ParquetSplit, MapSplit, or a ray.data.Dataset (bare or in DatasetSplit), got {type(split).__name__}")
         if rows[name] == 0:
             raise DataError(f"split '{name}' holds no rows")
         if name != "train" and getattr(split, "batch_sampler", None) is not None:
