@@ -104,12 +104,18 @@ CONFIG = {
 
 def main(argv: list[str] | None = None):
     """The command line above; the run's result (None after ``--make-data``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    return command(argv, __doc__, CONFIG, lambda config, data, mean, std: raytrain_loops.fit(config, task=TableTask(data, mean, std)))
+
+
+def command(argv: list[str] | None, doc: str, base: dict, train):
+    """An example's command line (the one above): ``--make-data``, or ``train(config, data, mean,
+    std)`` with ``base`` at the scale and length asked; the run's result (None after ``--make-data``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--data", help="directory (or URI) with train/ and eval/ Parquet files")
     parser.add_argument("--make-data", metavar="DIR", help="write a small example table to DIR and stop")
-    parser.add_argument("--local", action="store_true", help="train in this process, without Ray")
-    parser.add_argument("--epochs", type=int, default=CONFIG["loop"]["epochs"])
-    parser.add_argument("--storage-path", default=CONFIG["run"]["storage_path"])
+    parser.add_argument("--local", action="store_true", help="one training process (scaling.num_workers=0)")
+    parser.add_argument("--epochs", type=int, default=base["loop"]["epochs"])
+    parser.add_argument("--storage-path", default=base["run"]["storage_path"])
     args = parser.parse_args(argv)
     if args.make_data:
         make_data(Path(args.make_data))
@@ -119,12 +125,12 @@ def main(argv: list[str] | None = None):
         parser.error("give --data DIR (or --make-data DIR first)")
     mean, std = statistics(args.data)
     config = {
-        **CONFIG,
+        **base,
         "loop": {"epochs": args.epochs},
         "scaling": {"num_workers": 0 if args.local else 2},
         "run": {"storage_path": args.storage_path},
     }
-    result = raytrain_loops.fit(config, task=TableTask(args.data, mean, std))
+    result = train(config, args.data, mean, std)
     print(f"accuracy {result.metrics['eval_accuracy']:.3f}; run directory {result.run_dir}")
     return result
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from raytrain_loops.config import Config, ConfigError, load_config
     from raytrain_loops.engine import LossOutput, StepContext
-    from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+    from raytrain_loops.tasks import DatasetSplit, MapSplit, ParquetSplit, Task
 
 # Imported when first asked for: a process that needs only a small part of the package (the
 # console's feed actor, the CLI's argument errors) does not import torch through this file.
@@ -24,6 +24,7 @@ _LAZY = {
     "LossOutput": "raytrain_loops.engine",
     "StepContext": "raytrain_loops.engine",
     "MapSplit": "raytrain_loops.tasks",
+    "DatasetSplit": "raytrain_loops.tasks",
     "ParquetSplit": "raytrain_loops.tasks",
     "Task": "raytrain_loops.tasks",
 }
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "LossOutput",
     "MapSplit",
+    "DatasetSplit",
     "ParquetSplit",
     "StepContext",
     "Task",

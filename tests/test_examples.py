@@ -1,6 +1,7 @@
 """The examples run as their docs say, at reduced sizes (no Ray: local mode). The others run
 inside tests that already start what they need: ``examples/custom_task.py`` (tests/test_local.py
-and others), ``examples/finetune_hf.yaml`` (tests/test_hf_lm.py), ``examples/sweep.yaml``
+and others), ``examples/ray_dataset.py`` (tests/test_ray_dataset.py, on the suite's Ray),
+``examples/finetune_hf.yaml`` (tests/test_hf_lm.py), ``examples/sweep.yaml``
 (tests/test_tune.py's Optuna sweep), ``examples/job/`` (tests/test_submit.py, on the two-node
 test bed)."""
 

@@ -33,7 +33,7 @@ def targets(splits: dict[str, Any], held: Iterable[str] = ()) -> list[Target]:
         if index is not None:
             if name not in held and index.table is None and index.files:
                 out.append((name, split.path, ("parquet", index.filesystem, index.files[0])))
-        elif hasattr(split, "dataset"):
+        elif hasattr(getattr(split, "dataset", None), "__getitem__"):  # a map-style one (a Ray Dataset reads itself)
             dataset = split.dataset
             out.append((name, str(getattr(dataset, "path", type(dataset).__name__)), ("map", dataset)))
     return out

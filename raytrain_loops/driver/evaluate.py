@@ -117,13 +117,15 @@ def _on_ray(payload: WorkerPayload) -> dict[str, Any]:
     from ray.train.torch import TorchConfig
 
     from raytrain_loops.driver.ray_start import ensure_ray
-    from raytrain_loops.driver.trainer import Trainer, place_parquet, scaling_config
+    from raytrain_loops.driver.trainer import Trainer, place_parquet, ray_datasets, scaling_config
     from raytrain_loops.worker.evaluate import MetricsBox, evaluate_per_worker
 
     config = payload.config
     s = config.scaling
     ensure_ray(config, s.num_workers * s.cpus_per_worker + config.data.preprocess.num_cpus)
     place_parquet(payload.splits, config)
+    datasets, splits = ray_datasets(payload.splits)
+    payload = dataclasses.replace(payload, splits=splits)
     box = MetricsBox.remote()
     with tempfile.TemporaryDirectory(prefix="raytrain-evaluate-") as scratch:
         trainer = Trainer(
@@ -133,6 +135,8 @@ def _on_ray(payload: WorkerPayload) -> dict[str, Any]:
             run_config=ray.train.RunConfig(
                 name="evaluate", storage_path=scratch, failure_config=ray.train.FailureConfig(max_failures=0)
             ),
+            datasets=datasets or None,
+            dataset_config=ray.train.DataConfig(datasets_to_split=list(datasets)) if datasets else None,
         )
         trainer.fit()
     metrics = ray.get(box.get.remote(), timeout=60)

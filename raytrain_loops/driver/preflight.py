@@ -20,7 +20,7 @@ from raytrain_loops.driver.run_dir import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.update.micro import SplitError, batch_rows
 from raytrain_loops.runtime.batches import first_batch
-from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, build_task
+from raytrain_loops.tasks import DatasetSplit, MapSplit, ParquetSplit, Task, build_task, has_preprocess
 
 
 class DataError(ValueError):
@@ -253,9 +253,12 @@ def prepare(config: Config, task: Task | None) -> tuple[Task, dict[str, Any], di
             rows[name] = check_parquet(name, split)
         elif isinstance(split, MapSplit):
             rows[name] = map_rows(name, split)
+        elif isinstance(split, DatasetSplit) or _is_dataset(split):
+            split = splits[name] = split if isinstance(split, DatasetSplit) else DatasetSplit(split)
+            rows[name] = dataset_rows(config, task, name, split)
         else:
             refused = unaccepted(f"split '{name}'", split)
-            raise DataError(refused or f"split '{name}': expected ParquetSplit or MapSplit, got {type(split).__name__}")
+            raise DataError(refused or f"split '{name}': expected ParquetSplit, MapSplit, or a ray.data.Dataset (bare or in DatasetSplit), got {type(split).__name__}")
         if rows[name] == 0:
             raise DataError(f"split '{name}' holds no rows")
         if name != "train" and getattr(split, "batch_sampler", None) is not None:
@@ -305,6 +308,37 @@ def unaccepted(subject: str, data: Any) -> str | None:
             f"pyarrow.Table.from_pylist(list(iterable)), path)) and return ParquetSplit(path, columns) {ACCEPTED}"
         )
     return None
+
+
+def _is_dataset(split: Any) -> bool:
+    return type(split).__module__.startswith("ray.data") and type(split).__name__ == "Dataset"
+
+
+def dataset_rows(config: Config, task: Task, name: str, split: DatasetSplit) -> int:
+    """The rows of a split that is a Ray Dataset: ``split.rows``, or ``count()``, which executes
+    the dataset's plan once here. Refused, naming the split: anything but a Dataset, a task whose
+    ``preprocess`` would not be applied to it, and an elastic group (its shards are Ray Train's
+    ``streaming_split``, whose epochs a group of another size cannot continue)."""
+    where = f"split '{name}'"
+    if not _is_dataset(split.dataset):
+        raise DataError(f"{where}: DatasetSplit's dataset is {type(split.dataset).__name__}, not a ray.data.Dataset")
+    if has_preprocess(task):
+        raise DataError(
+            f"{where} is a Ray Dataset, to which {type(task).__name__}.preprocess is not applied: its own "
+            "map_batches are its preprocessing (docs/data.md, 'A Ray Dataset as a split')"
+        )
+    if 1 <= config.scaling.min_workers < config.scaling.num_workers:
+        raise ConfigError(
+            "scaling.min_workers",
+            f"{where} is a Ray Dataset, split among a group of a fixed size: an elastic group is not supported "
+            "with it; set scaling.min_workers=0 or use a ParquetSplit",
+        )
+    if split.rows is not None:
+        return split.rows
+    try:
+        return split.dataset.count()
+    except Exception as err:  # the user's plan failed: say which split's
+        raise DataError(f"{where}: counting the Ray Dataset's rows failed: {type(err).__name__}: {err}") from err
 
 
 def map_rows(name: str, split: MapSplit) -> int:

@@ -15,13 +15,13 @@ from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.controller.keep_best import KeepBest
 from raytrain_loops.rundir.stops import StopBoard
-from raytrain_loops.tasks import ParquetSplit, Task
+from raytrain_loops.tasks import DatasetSplit, ParquetSplit, Task
 from raytrain_loops.worker.train import WorkerPayload, train_loop_per_worker
 
 
 class Trainer(TorchTrainer):
-    """Ray Train's ``TorchTrainer`` without its Ray Data actor. The workers read their rows
-    themselves (:mod:`raytrain_loops.worker.batches`) and no Ray Dataset is passed, yet Ray Train
+    """Ray Train's ``TorchTrainer`` without its Ray Data actor when no split is a Ray Dataset. The
+    workers read their rows themselves (:mod:`raytrain_loops.worker.batches`) and no Ray Dataset is passed, yet Ray Train
     starts a ``DatasetManager`` actor for every run: one more process, which imports Ray Data
     while the workers start (about 2.5 s of CPU here, on the cores the workers start on). Where a
     Ray version has no such callback, every callback is kept."""
@@ -144,6 +144,7 @@ def build_trainer(
     ``tracking``, the MLflow run rank 0 logs to; ``precision_warned``, that the driver warned of an
     emulated bf16 (rank 0 warns otherwise)."""
     place_parquet(splits, config)
+    datasets, splits = ray_datasets(splits)
     payload = WorkerPayload(
         config, task, splits, rows, run_dir, board, init_checkpoint, console, tracking, precision_warned
     )
@@ -152,4 +153,14 @@ def build_trainer(
         torch_config=TorchConfig(backend="nccl" if config.scaling.use_gpu else "gloo"),
         scaling_config=scaling_config(config),
         run_config=run_config(config, name, callbacks),
+        datasets=datasets or None,
+        dataset_config=ray.train.DataConfig(datasets_to_split=list(datasets)) if datasets else None,
     )
+
+
+def ray_datasets(splits: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The splits that are Ray Datasets, by name, for the trainer's ``datasets=`` (each worker
+    reads its ``streaming_split`` shard, :func:`~raytrain_loops.worker.train.dataset_shards`), and
+    the splits as they travel to the workers: those without their Dataset."""
+    datasets = {name: split.dataset for name, split in splits.items() if isinstance(split, DatasetSplit)}
+    return datasets, {name: DatasetSplit(None, split.rows) if name in datasets else split for name, split in splits.items()}

@@ -33,7 +33,7 @@ from raytrain_loops.engine.devices import pins
 from raytrain_loops.engine.length import accum_steps, batches_per_epoch, epochs_in_run, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.streams import close
-from raytrain_loops.tasks import MapSplit, ParquetSplit, Task, has_preprocess, set_up_once
+from raytrain_loops.tasks import DatasetSplit, MapSplit, ParquetSplit, Task, has_preprocess, set_up_once
 
 Plan = WorkerPlan | RecutPlan
 """One worker's rows of an epoch: its own share, or its part of a re-cut epoch."""
@@ -102,6 +102,8 @@ class Batches:
         self.has_eval = "eval" in splits
         self.parquet = {name: split for name, split in splits.items() if isinstance(split, ParquetSplit)}
         maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
+        # A Ray Dataset's shard (a worker's) or the Dataset itself (a local run): read as it streams.
+        self.datasets = {name: split.dataset for name, split in splits.items() if isinstance(split, DatasetSplit)}
         self.maps = MapBatches(maps, config.data, config.loop.seed, rank, world, device)
         self.resumed: _Resumed | None = None
         if "train" in maps:  # a DistributedSampler's padded shares, or the split's batch sampler
@@ -122,6 +124,12 @@ class Batches:
             return self.maps.batches(split, epoch, start)
         train = split == "train"
         size = self.data.batch_size if train else self.data.eval_batch_size
+        collate = _pinning(self.task.collate) if self.pin else self.task.collate
+        if split in self.datasets:  # the epoch from its first rows, whatever ``start`` (docs/data.md)
+            batches = self.datasets[split].iter_batches(
+                batch_size=size, batch_format="numpy", drop_last=train, prefetch_batches=self.data.prefetch_batches
+            )
+            return _collated(batches, collate)
         index = self.parquet[split].index
         start_row = start * size
         if r is not None:
@@ -141,7 +149,7 @@ class Batches:
         else:
             # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
             fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
-        return sliced(fetched, size, _pinning(self.task.collate) if self.pin else self.task.collate, drop_last=train)
+        return sliced(fetched, size, collate, drop_last=train)
 
     def record(self, position: Position) -> dict[str, Any]:
         """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,
@@ -175,6 +183,11 @@ class Batches:
         at = resume_point(records, self.world, self.rank, self.data.batch_size)
         if at.batches is not None:  # this group's own plan, as it was dealt
             return Position(at.epoch, at.batches)
+        if "train" in self.datasets:
+            raise ValueError(
+                f"split 'train' is a Ray Dataset, whose epoch {at.epoch} a group of {self.world} workers cannot "
+                f"continue from the checkpoint of {len(records)}: resume with scaling.num_workers={len(records)}"
+            )
         if "train" in self.maps.splits:
             part = self.maps.dealt(at.epoch, at.deal)
             left = len(part) - _batches_in(part, at.row)
@@ -201,6 +214,15 @@ def _pinning(collate: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, An
     """``collate`` whose batches are copied into page-locked memory (their copy to the device then
     runs beside the step)."""
     return lambda rows: pin_memory(collate(rows))
+
+
+def _collated(batches: Iterable[dict[str, Any]], collate: Callable[[dict[str, Any]], Any]) -> Iterator[Any]:
+    """``batches`` through ``collate``; closing this closes them."""
+    try:
+        for batch in batches:
+            yield collate(batch)
+    finally:
+        close(batches)
 
 
 def _rows_in(batches: list[list[int]], n: int) -> int:

@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from raytrain_loops.tasks.base import (
+    DatasetSplit,
     EvalOutput,
     MapSplit,
     ParquetSplit,
@@ -59,6 +60,7 @@ __all__ = [
     "ImagesTask",
     "LMTask",
     "MapSplit",
+    "DatasetSplit",
     "ParquetSplit",
     "SeamsegTask",
     "Task",

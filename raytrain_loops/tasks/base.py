@@ -53,6 +53,21 @@ class MapSplit:
     batch_sampler: Callable[[int, int, int, int], Any] | None = None
 
 
+@dataclass
+class DatasetSplit:
+    """A split as the user's own ``ray.data.Dataset`` (a bare Dataset returned by
+    :meth:`Task.splits` is wrapped in one). Trained as Ray Train trains one: the trainer gets it in
+    ``datasets=``, each worker reads its shard (``ray.train.get_dataset_shard``, a
+    ``streaming_split`` of every epoch) in batches of ``data.batch_size`` and passes them to
+    :meth:`Task.collate`. The dataset's own ``map_batches`` are its preprocessing:
+    :meth:`Task.preprocess` is not applied to it. ``rows``: its row count, when known, which skips
+    the driver's ``count()`` (that executes the dataset's plan once). A resumed epoch starts over
+    from the dataset's first rows (docs/data.md, "A Ray Dataset as a split")."""
+
+    dataset: Any
+    rows: int | None = None
+
+
 EvalOutput = dict[str, tuple[torch.Tensor | float, float]]
 """Per evaluation batch: metric name -> (mean over the batch, number of samples)."""
 

@@ -15,7 +15,7 @@ import ray.train.torch
 from raytrain_loops.runtime.evaluation import evaluate_checkpoint
 from raytrain_loops.runtime.wiring import WorkerPayload
 from raytrain_loops.worker.batches import ray_batches
-from raytrain_loops.worker.train import prepare_model
+from raytrain_loops.worker.train import dataset_shards, prepare_model
 
 PUT_TIMEOUT_S = 60.0
 
@@ -39,6 +39,7 @@ def evaluate_per_worker(payload: WorkerPayload, box: Any) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
+    payload = dataset_shards(payload)  # a Ray Dataset's split: this worker's shard
     metrics = evaluate_checkpoint(payload, rank, world, device, prepare_model=prepare_model, batches=ray_batches)
     if rank == 0:
         ray.get(box.put.remote(metrics), timeout=PUT_TIMEOUT_S)

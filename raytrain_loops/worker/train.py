@@ -9,6 +9,7 @@ docs/architecture.md for the whole path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 
@@ -26,7 +27,7 @@ from raytrain_loops.engine.update.guards import GroupBrokenError, TrainingError
 from raytrain_loops.errors import Stopped
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.streams import close
-from raytrain_loops.tasks import Task
+from raytrain_loops.tasks import DatasetSplit, Task
 from raytrain_loops.worker.batches import ray_batches
 from raytrain_loops.worker.reporter import RayReporter
 
@@ -91,11 +92,22 @@ def _watched() -> bool:
     return collectives.all_reduce_sum(votes).item() == collectives.world_size()
 
 
+def dataset_shards(payload: WorkerPayload) -> WorkerPayload:
+    """``payload`` with each split that is a Ray Dataset replaced by this worker's shard of it
+    (``ray.train.get_dataset_shard``)."""
+    splits = {
+        name: DatasetSplit(ray.train.get_dataset_shard(name), split.rows) if isinstance(split, DatasetSplit) else split
+        for name, split in payload.splits.items()
+    }
+    return dataclasses.replace(payload, splits=splits)
+
+
 def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
     """Ray Train's entry point on every worker."""
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     node = f"{ray.util.get_node_ip_address()} (node id {ray.get_runtime_context().get_node_id()[:12]})"
+    payload = dataset_shards(payload)
     check_here(payload.config.data.dir, payload.splits, node)  # this attempt's node reaches the data
     sender = payload.console or Sender(None)
     try:
