@@ -290,8 +290,8 @@ def pin_artefacts(
         return {}
     text = storage.read_text(storage.join(run_dir, ARTEFACTS_FILE))
     before = json.loads(text) if text else None
-    if before == now:
-        return {}
+    if before == now or (before is None and not files and checkpoint_dirs(run_dir)):
+        return {}  # unchanged, or a run that pinned nothing at its first start: nothing to compare, nothing written
     changes = artefact_changes(before, now) if before is not None and checkpoint_dirs(run_dir) else {}
     if changes and not allowed:
         raise ConfigError(
