@@ -134,3 +134,65 @@ def _one_name_per_metric_everywhere(run: Path, mlruns: Path) -> None:
         history = sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, name))
         assert [s for s, _ in history] == [s for s, _ in points], name
         assert [v for _, v in history] == pytest.approx([v for _, v in points]), name
+
+
+class _Rows(__import__("raytrain_loops").Task):
+    """A Parquet split of ``ids`` and a map-style eval split of ``n`` rows (the data's identity by default)."""
+
+    def __init__(self, path: str, n: int = 8):
+        self.path, self.n = path, n
+
+    def splits(self, data_dir):
+        from raytrain_loops import MapSplit, ParquetSplit
+
+        return {"train": ParquetSplit(self.path, ["x"]), "eval": MapSplit([float(i) for i in range(self.n)])}
+
+    def collate(self, batch):
+        import torch
+
+        return torch.as_tensor(batch["x"], dtype=torch.float32)[:, None]
+
+    def build_model(self):
+        from torch import nn
+
+        return nn.Linear(1, 1)
+
+    def criterion(self, model, batch, ctx):
+        from raytrain_loops import LossOutput
+
+        return LossOutput(model(batch).square().mean(), sample_size=len(batch))
+
+
+def _write_rows(path: Path, n: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"x": [float(i) for i in range(n)]}), path / "part-0.parquet")
+
+
+def test_a_rerun_on_changed_data_is_refused_naming_the_split_and_one_regenerated_identically_is_not(tmp_path):
+    from raytrain_loops import ConfigError, fit
+
+    data = tmp_path / "rows"
+    _write_rows(data, 64)
+    config = {"scaling": {"num_workers": 0}, "run": {"storage_path": str(tmp_path / "runs")}, "data": {"batch_size": 8}}
+    first = fit(config, task=_Rows(str(data)))
+    assert first.trained
+    pinned = json.loads((Path(first.run_dir) / "artefacts.json").read_text())["data"]["splits"]
+    assert pinned["train"]["files"] == 1 and pinned["train"]["rows"] == 64
+    assert pinned["eval"] == {"type": "builtins.list", "rows": 8}
+    _write_rows(data, 64)  # regenerated identically: new mtimes, the same data
+    assert not fit(config, task=_Rows(str(data))).trained  # "already finished"
+    _write_rows(data, 72)
+    with pytest.raises(ConfigError) as caught:
+        fit(config, task=_Rows(str(data)))
+    text = str(caught.value)
+    print(text)
+    assert text.startswith("task: the run in ") and "Changed: artefacts.data.train ('1 file, 64 rows, " in text
+    assert "' -> '1 file, 72 rows, " in text and "run.allow_config_change=true" in text
+    with pytest.raises(ConfigError, match=r"artefacts\.data\.eval \('builtins\.list of 8 rows' -> 'builtins\.list of 9 rows'\)"):
+        _write_rows(data, 64)
+        fit(config, task=_Rows(str(data), n=9))
+    again = fit({**config, "run": {**config["run"], "allow_config_change": True}}, task=_Rows(str(data), n=9))
+    assert not again.trained  # accepted: the finished run stays finished, its data pinned anew

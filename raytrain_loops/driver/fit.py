@@ -137,12 +137,13 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         model = model_fingerprint(task)
         changes.update(check_model(run_dir, config, model))  # an edited task: refused before anything loads
         length_changed = any(k.startswith(("loop.", "accum.")) for k in changes) or not changes
+        # The tokenizer, the data, ...: a changed data set is seen before a finished run is.
+        changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change, splits))
         done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done, changes)
         unfinish(run_dir)
         pin_model(run_dir, model)
-        changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change))  # the tokenizer, the data, ...
         write_config(run_dir, config)
         record_changes(run_dir, changes, config.run.allow_config_change)
         with _signals_seen() as seen:

@@ -203,34 +203,95 @@ def record_changes(run_dir: str, changes: dict[str, tuple[Any, Any]], allowed: b
     storage.write_text(path, (storage.read_text(path) or "") + json.dumps(entry, default=str) + "\n")
 
 
-def _pinned_state(task: Task) -> tuple[dict[str, bytes], dict[str, Any]]:
+def _pinned_state(task: Task, splits: dict[str, Any] | None) -> tuple[dict[str, bytes], dict[str, Any]]:
+    from raytrain_loops.tasks import Task
+
     files = task.artefacts()
     digests = {n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())}
-    return files, {"files": digests, "data": task.data_digest()}
+    own = getattr(type(task), "data_digest", Task.data_digest) is not Task.data_digest
+    data = task.data_digest() if own or splits is None else {"splits": split_identities(splits)}
+    return files, {"files": digests, "data": data}
+
+
+def split_identities(splits: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each split's identity, the default of :meth:`Task.data_digest`: a Parquet split's files
+    (named from the split's root), their sizes and row counts; a map-style split's dataset type and
+    length. No modification times: a bundled set regenerated identically is the same data."""
+    from raytrain_loops.tasks import MapSplit, ParquetSplit
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, split in sorted(splits.items()):
+        if isinstance(split, ParquetSplit) and split.index is not None:
+            out[name] = _parquet_identity(split.index)
+        elif isinstance(split, MapSplit) and hasattr(split.dataset, "__len__"):
+            kind = type(split.dataset)
+            out[name] = {"type": f"{kind.__module__}.{kind.__qualname__}", "rows": len(split.dataset)}
+    return out
+
+
+def _parquet_identity(index: Any) -> dict[str, Any]:
+    import pyarrow.fs as pafs
+
+    fs, files = index.filesystem, list(index.files)
+    base = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files)
+    listed = fs.get_file_info(pafs.FileSelector(base, recursive=True)) if len(files) > 1 else fs.get_file_info(files)
+    sizes = {i.path: i.size for i in listed}
+    rows = [int(sum(groups)) for groups in index.row_groups]
+    named = sorted((f[len(base) :].lstrip("/"), int(sizes.get(f, -1)), n) for f, n in zip(files, rows, strict=True))
+    return {
+        "files": len(named),
+        "rows": sum(rows),
+        "bytes": sum(size for _, size, _ in named),
+        "digest": hashlib.sha256(json.dumps(named).encode()).hexdigest(),
+    }
+
+
+def _data_changes(before: Any, now: Any) -> dict[str, tuple[Any, Any]]:
+    if before is None or before == now:  # nothing pinned before (a run from before the default): pinned now
+        return {}
+    if not (isinstance(before, dict) and isinstance(now, dict)):
+        short = [v[:12] if isinstance(v, str) else v for v in (before, now)]
+        return {"artefacts.data": (short[0], short[1])}
+    old, new = before.get("splits", {}), now.get("splits", {})
+    return {f"artefacts.data.{n}": (_summary(old.get(n)), _summary(new.get(n))) for n in sorted(set(old) | set(new)) if old.get(n) != new.get(n)}
+
+
+def _summary(ident: dict[str, Any] | None) -> str:
+    """A split's identity as the error shows it."""
+    if ident is None:
+        return _ABSENT
+    if "type" in ident:
+        return f"{ident['type']} of {ident['rows']:,} rows"
+    files = f"{ident['files']} file{'s' if ident['files'] != 1 else ''}"
+    return f"{files}, {ident['rows']:,} rows, {ident['bytes']:,} bytes (digest {ident['digest'][:12]})"
 
 
 def artefact_changes(before: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``artefacts.<name>`` (``artefacts.data`` for the prepared data) -> (old digest, new
-    digest), short, for every pinned file or data digest that differs."""
+    """``artefacts.<name>`` (``artefacts.data`` for the task's data digest, ``artefacts.data.<split>``
+    for a split's identity) -> (old, new), short, for every pinned file or data that differs."""
     old, new = before.get("files", {}), now["files"]
     changes = {f"artefacts.{n}": (old.get(n, _ABSENT), new.get(n, _ABSENT)) for n in sorted(set(old) | set(new))}
-    changes["artefacts.data"] = (before.get("data"), now["data"])
-    return {k: tuple(v[:12] if v else v for v in pair) for k, pair in changes.items() if pair[0] != pair[1]}
+    changed = {k: tuple(v[:12] if v else v for v in pair) for k, pair in changes.items() if pair[0] != pair[1]}
+    return {**changed, **_data_changes(before.get("data"), now["data"])}
 
 
-def pin_artefacts(run_dir: str, task: Task, allowed: bool) -> dict[str, tuple[Any, Any]]:
+def pin_artefacts(
+    run_dir: str, task: Task, allowed: bool, splits: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, Any]]:
     """Copy the task's :meth:`~raytrain_loops.tasks.Task.artefacts` into ``artefacts/`` of the
-    run directory and record their digests and the prepared data's in ``artefacts.json``, at the
-    run's first start. Later starts compare: when the run holds checkpoints, a difference is
-    refused (:class:`ConfigError` naming every changed file, or the data) unless ``allowed``
-    (``run.allow_config_change``), and then pinned anew. Returns the accepted changes."""
-    files, now = _pinned_state(task)
+    run directory and record their digests and the data's identity in ``artefacts.json``, at the
+    run's first start: the task's :meth:`~raytrain_loops.tasks.Task.data_digest`, or by default
+    each of ``splits``' (:func:`split_identities`). Later starts compare: when the run holds
+    checkpoints, a difference is refused (:class:`ConfigError` naming every changed file, or the
+    split and what changed) unless ``allowed`` (``run.allow_config_change``), and then pinned anew.
+    Returns the accepted changes."""
+    files, now = _pinned_state(task, splits)
     if not files and now["data"] is None:
         return {}
     text = storage.read_text(storage.join(run_dir, ARTEFACTS_FILE))
     before = json.loads(text) if text else None
-    if before == now:
-        return {}
+    if before == now or (before is None and not files and checkpoint_dirs(run_dir)):
+        return {}  # unchanged, or a run that pinned nothing at its first start: nothing to compare, nothing written
     changes = artefact_changes(before, now) if before is not None and checkpoint_dirs(run_dir) else {}
     if changes and not allowed:
         raise ConfigError(

@@ -182,7 +182,9 @@ class Task:
 
     def data_digest(self) -> str | None:
         """A digest of the prepared data the run trains on (after :meth:`prepare`), pinned and
-        checked at a resume as :meth:`artefacts` are; None: not checked."""
+        checked at every rerun as :meth:`artefacts` are; None: not checked. Not overridden: each
+        split's identity (a Parquet split's files, sizes and row counts; a map-style split's
+        dataset type and length), so that a rerun on changed data is refused naming the split."""
         return None
 
     def preprocessing_copy(self) -> Task:
