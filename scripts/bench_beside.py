@@ -47,6 +47,9 @@ print(json.dumps({"fit_s": time.perf_counter() - t0, "package": raytrain_loops._
 def child(tree: Path, argv: list[str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True, text=True)
+    if out.returncode:  # a loaded machine: Ray's start may time out; one more try, said aloud
+        print(f"{tree}: a run failed ({out.stderr.strip().splitlines()[-1][:200]}); trying it again", flush=True)
+        out = subprocess.run([sys.executable, *argv], cwd=tree, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{tree}: {' '.join(argv[:2])} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out.stdout
