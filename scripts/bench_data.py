@@ -9,11 +9,15 @@ them), in files of 8,192 rows with row groups of 128 rows, as docs/data.md recom
    ahead on a thread, permuted, cut into batches of 64) against pyarrow reading every row group
    of the same files in storage order and converting it to NumPy, both on the stored columns
    (no decoding). Target: at least 0.8x.
-2. With ``Task.preprocess`` (PNG decode, a random crop and flip from each row's seed) run by the
-   worker's preprocessing tasks on 1 and 2 CPUs, against the same decode on this process's one
-   thread: the steady state (rows/s after the first batch), the wait for an epoch's first batch
-   (from asking for it to getting it), and the total (rows/s, the first batch included). The first
-   epoch after Ray's start is shown on its own (its task processes import the task once).
+2. With ``Task.preprocess`` (PNG decode, a random crop and flip from each row's seed) executed by
+   a worker's Ray Data executor (``RayPreprocessing``) on 1 and 2 CPUs, against the same decode
+   on this process's one thread, over an epoch of the split's first ``--preprocess-rows`` rows:
+   one executor per CPU count, given the following epochs' plans, so that its epochs continue one
+   execution. Epoch 0 starts the execution (on 1 CPU: the first epoch after Ray's start) and
+   epoch 1 follows it (both shown on their own: a task process may start in them); epochs 2 to
+   ``--repeats`` + 1 are the runs: the steady state (rows/s after the first batch), the wait for
+   an epoch's first batch (from asking for it to getting it) and the total (rows/s, the first
+   batch included). The thread's three runs come before, between and after the executors'.
 3. Peak memory (RSS) of a process streaming a quarter of the split and the whole of it, through
    the plan (one worker's share of a 1-worker group, no preprocessing), and of the driver's
    index of the footers at both sizes: it must not grow with the split.
@@ -22,7 +26,7 @@ them), in files of 8,192 rows with row groups of 128 rows, as docs/data.md recom
 
     .venv/bin/python scripts/bench_data.py [--gb 2] [--repeats 3] [--dir /tmp/bench-data]
 
-Runs alternate; each figure is the median of ``--repeats`` runs, all runs printed.
+Runs alternate (part 2: see above); each figure is the median of ``--repeats`` runs, all runs printed.
 """
 
 from __future__ import annotations
@@ -98,6 +102,22 @@ def subset(index: SplitIndex, fraction: float) -> SplitIndex:
     return SplitIndex(index.path, index.filesystem, index.files[:k], index.row_groups[:k], index.columns)
 
 
+def first_rows(index: SplitIndex, rows: int) -> SplitIndex:
+    """The split's first ``rows`` rows (whole row groups, in storage order) as an index of its own."""
+    files, groups, at = [], [], 0
+    for path, sizes in zip(index.files, index.row_groups, strict=True):
+        kept = []
+        for n in sizes:
+            if at >= rows:
+                break
+            kept.append(n)
+            at += n
+        if kept:
+            files.append(path)
+            groups.append(kept)
+    return SplitIndex(index.path, index.filesystem, files, groups, index.columns)
+
+
 def pyarrow_read(index: SplitIndex) -> float:
     """Rows per second of pyarrow reading every row group in storage order, to NumPy."""
     import pyarrow.parquet as pq
@@ -159,15 +179,20 @@ def decode_here(index: SplitIndex, rows: int) -> tuple[float, float, float]:
     return timed(read_and_preprocess(Images(), index, plan, range(plan.windows), 0, 0, (0, 0), 256, True), rows)
 
 
-def preprocessed_rate(index: SplitIndex, cpus: int, rows: int) -> tuple[float, float, float]:
-    """:func:`timed` of the worker's preprocessing tasks on ``cpus`` CPUs at once (windows of
-    1,024 rows, 256 rows per call of ``preprocess``), started as an epoch starts them."""
+def preprocessed_rate(
+    preprocessing, index: SplitIndex, cpus: int, epoch: int, last: int
+) -> tuple[float, float, float]:
+    """:func:`timed` of ``epoch`` (all of ``index``'s rows) from ``preprocessing``, a worker's Ray
+    Data executor kept across epochs (windows of 1,024 rows, 256 rows per call of ``preprocess``,
+    at most ``cpus`` tasks at once); given the plans of the epochs up to ``last``, it continues one
+    execution from one epoch to the next."""
     from raytrain_loops.config.run import DataConfig, PreprocessConfig
-    from raytrain_loops.worker.batches import preprocessed
+    from raytrain_loops.runtime.batches import EpochPlans
 
     data = DataConfig(preprocess=PreprocessConfig(num_cpus=1, concurrency=cpus, batch_rows=256))
-    plan = train_plan(index, 0, 0, 1, 0, 128, 1024)
-    return timed(preprocessed(BenchImages(), data, plan, index, 0, (0, 0), True), rows)
+    plan = train_plan(index, 0, epoch, 1, 0, 128, 1024)
+    ahead = EpochPlans(index, 0, 1, 0, 128, 1024, last)
+    return timed(preprocessing(BenchImages(), data, plan, index, 0, (0, epoch), True, ahead), index.rows)
 
 
 def child_rss(kind: str, path: str, fraction: float) -> dict:
@@ -301,20 +326,37 @@ def part1(index: SplitIndex, repeats: int) -> None:
 
 
 def part2(index: SplitIndex, repeats: int, rows: int) -> None:
-    print(f"2. with preprocess (PNG decode, crop, flip), {rows:,} rows per epoch, alternating runs:")
+    epoch = first_rows(index, rows)
+    print(f"2. with preprocess (PNG decode, crop, flip), epochs of {epoch.rows:,} rows:")
     import ray
 
+    from raytrain_loops.worker.batches import RayPreprocessing
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cold = preprocessed_rate(index, 2, rows)  # the task processes start and import the task
-    print(f"  the first epoch after Ray's start, 2 CPUs: first batch {cold[0]:.2f} s, total {cold[2]:,.0f} rows/s")
     runs: dict[str, list[tuple[float, float, float]]] = {"here": [], "1": [], "2": []}
-    for _ in range(repeats):
-        runs["here"].append(decode_here(index, rows))
-        runs["1"].append(preprocessed_rate(index, 1, rows))
-        runs["2"].append(preprocessed_rate(index, 2, rows))
+    firsts: dict[str, tuple[float, float, float]] = {}
+    seconds: dict[str, tuple[float, float, float]] = {}  # epoch 1: the pool's second task process may start in it
+    runs["here"].append(decode_here(epoch, epoch.rows))
+    for cpus in (1, 2):
+        # One executor per CPU count, as a training worker holds one: epoch 0 starts its execution,
+        # epochs 1 to repeats + 1 continue it back to back (the consumer never pauses, as in training).
+        preprocessing = RayPreprocessing(1)
+        firsts[str(cpus)] = preprocessed_rate(preprocessing, epoch, cpus, 0, repeats + 1)
+        seconds[str(cpus)] = preprocessed_rate(preprocessing, epoch, cpus, 1, repeats + 1)
+        for e in range(2, repeats + 2):
+            runs[str(cpus)].append(preprocessed_rate(preprocessing, epoch, cpus, e, repeats + 1))
+        preprocessing.close()
+        runs["here"].append(decode_here(epoch, epoch.rows))  # the thread's runs between the executors'
     ray.shutdown()
+    print(f"  load average {os.getloadavg()[0]:.2f}, {os.getloadavg()[1]:.2f}, {os.getloadavg()[2]:.2f} at the end")
+    for cpus, (first, _, total) in firsts.items():
+        what = "the first epoch after Ray's start" if cpus == "1" else "its first epoch (Ray already up)"
+        print(f"  {cpus} CPU(s), {what}: first batch {first:.2f} s, total {total:,.0f} rows/s")
+        first, steady, total = seconds[cpus]
+        print(f"  {cpus} CPU(s), epoch 1: first batch {first:.2f} s, steady {steady:,.0f}, total {total:,.0f} rows/s")
     med = {}
-    for key, name in (("here", "on the consuming thread"), ("1", "preprocessing tasks, 1 CPU"), ("2", "2 CPUs")):
+    names = (("here", "on the consuming thread"), ("1", "Ray Data, 1 CPU (epochs 2 on of one execution)"), ("2", "Ray Data, 2 CPUs"))
+    for key, name in names:
         r = runs[key]
         print(f"  {name}:")
         med[key] = report("steady state", [x[1] for x in r])
