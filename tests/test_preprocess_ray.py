@@ -19,8 +19,8 @@ from torch import nn
 
 from raytrain_loops import LossOutput, ParquetSplit, Task, fit
 from raytrain_loops.config.run import DataConfig, PreprocessConfig
-from raytrain_loops.data.parquet import index_split, train_plan
-from raytrain_loops.runtime.batches import EpochPlans
+from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
+from raytrain_loops.runtime.batches import EpochPlans, preprocessed_here
 from raytrain_loops.worker.batches import EVAL_SHARE, block_bytes
 
 WIDE = 25_600
@@ -200,3 +200,42 @@ def test_a_stream_closed_early_ends_its_execution_within_a_second(ray_session, t
     print(f"closed in {closed_in * 1000:.0f} ms; {len(starts)} calls of 128 started")
     assert closed_in < 1.0
     assert max(starts) < closed_at and len(starts) < 1024 // 8
+
+
+class _Ids(Task):
+    def preprocess(self, batch, train):
+        return {"id": batch["id"], "seed": batch[ROW_SEED]}
+
+
+@pytest.mark.ray
+def test_one_execution_runs_from_epoch_to_epoch_with_the_local_rows_and_an_epoch_stopped_early_is_left(
+    ray_session, tmp_path
+):
+    """The train split's execution goes on into the next epochs: each epoch's rows and row seeds
+    are the local path's, in its order; the rest of an epoch stopped early is dropped, not read
+    into the next; one execution serves all three epochs."""
+    from raytrain_loops.worker.batches import RayPreprocessing
+
+    data, index, _, ahead = _feed_args(tmp_path, 256)
+    feed = RayPreprocessing(1)
+    got, executions = {}, set()
+    for epoch in range(3):
+        plan = train_plan(index, 0, epoch, 1, 0, 8, 64)
+        rows = feed(_Ids(), data, plan, index, 0, (0, epoch), True, ahead)
+        blocks = []
+        for block in rows:
+            blocks.append(block)
+            if epoch == 1 and sum(len(b["id"]) for b in blocks) >= 100:
+                break  # the epoch stops early
+        rows.close()
+        executions.add(id(feed._train))
+        got[epoch] = {k: np.concatenate([b[k] for b in blocks]) for k in ("id", "seed")}
+        here = list(preprocessed_here(_Ids(), data, plan, index, 0, (0, epoch), True))
+        want = {k: np.concatenate([b[k] for b in here]) for k in ("id", "seed")}
+        n = len(got[epoch]["id"])
+        assert n == (len(want["id"]) if epoch != 1 else n) and n >= 100
+        for k in ("id", "seed"):
+            assert np.array_equal(got[epoch][k], want[k][:n]), (epoch, k)
+    feed.close()
+    assert len(executions) == 1
+    assert sorted(got[0]["id"].tolist()) == sorted(got[2]["id"].tolist()) == list(range(256))

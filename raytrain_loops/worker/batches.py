@@ -13,9 +13,10 @@ bounded in bytes, so a window is never one object.
 
 from __future__ import annotations
 
-from collections import Counter
+import uuid
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,9 @@ STORE_SHARE = 0.25
 
 EVAL_SHARE = 0.25
 """The part of a worker's budget an evaluation's execution holds; the train split's holds the rest."""
+
+_PLANS: OrderedDict[tuple[str, int], Plan] = OrderedDict()
+"""The plans of later epochs a preprocessing process built, by (execution, epoch), the latest few."""
 
 MAX_UNITS = 4096
 """The most windows one train execution covers: past them (a long run of small windows) the next
@@ -83,19 +87,25 @@ class _Work:
     seed: int
     rows: int
     train: bool
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Names this execution's plans in the process caches of the tasks that read them."""
 
     def plan(self, epoch: int) -> Plan:
         if epoch == self.first_epoch or self.ahead is None:
             return self.first
-        return self.ahead(epoch)
+        key = (self.token, epoch)
+        if key not in _PLANS:  # built once per process and epoch, not once per window
+            while len(_PLANS) >= 4:
+                _PLANS.popitem(last=False)
+            _PLANS[key] = self.ahead(epoch)
+        return _PLANS[key]
 
     def parts(self, units: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """The preprocessed parts of ``units`` (a batch of epoch, window, rows skipped), each
         ``rows`` rows at most, marked with their epoch and this process's node."""
         node = ray.get_runtime_context().get_node_id()
-        plans: dict[int, Plan] = {}
         for epoch, window, skip in zip(units["epoch"].tolist(), units["window"].tolist(), units["skip"].tolist(), strict=True):
-            plan = plans.setdefault(epoch, self.plan(epoch))
+            plan = self.plan(epoch)
             seeds = (self.seed, epoch)
             for part in read_and_preprocess(self.task, self.index, plan, [window], window, skip, seeds, self.rows, self.train):
                 n = len(next(iter(part.values())))
