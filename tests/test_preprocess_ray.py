@@ -168,6 +168,7 @@ def test_a_pool_no_node_can_place_is_said_on_the_console_then_stops_the_run_nami
         list(feed(_Slow(str(tmp_path / "log")), data, plan, index, 0, (0, 0), True, ahead))
     feed.close()
     assert 3 <= time.monotonic() - start < 10
+    print(said[0])  # the line a user sees
     assert len(said) == 1 and said[0].startswith("preprocessing: no preprocessed rows for 1 s")
     for text in (said[0], str(caught.value)):
         assert "each preprocessing task asks for CPU 1, nowhere 1 (data.preprocess.num_cpus, num_gpus, resources)" in text
