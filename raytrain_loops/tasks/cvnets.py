@@ -31,6 +31,14 @@ BN_MOMENTUM = "bn_momentum"
 DATA = ("digits", "imagefolder")
 
 
+def by_data(cls: type, base: type, folder: type, data: str) -> type:
+    """The class a ``task.params.data`` value makes: ``folder`` for ``imagefolder`` when ``base``
+    itself is named (a subclass stays itself), ``cls`` otherwise; an unknown value refused."""
+    if data not in DATA:
+        raise ConfigError("task.params.data", f"must be one of {list(DATA)}; got {data!r}")
+    return folder if cls is base and data == "imagefolder" else cls
+
+
 def set_bn_momentum(model: nn.Module, momentum: float) -> None:
     """Set the momentum of every BatchNorm layer of ``model`` (PyTorch's convention: the weight of
     the new batch's statistics in the running ones)."""
@@ -64,9 +72,7 @@ class CvnetsTask(DigitsTask):
     ``data=imagefolder`` makes a :class:`CvnetsFolderTask`."""
 
     def __new__(cls, *args: Any, data: str = "digits", **params: Any):
-        if data not in DATA:
-            raise ConfigError("task.params.data", f"must be one of {list(DATA)}; got {data!r}")
-        return super().__new__(CvnetsFolderTask if cls is CvnetsTask and data == "imagefolder" else cls)
+        return super().__new__(by_data(cls, CvnetsTask, CvnetsFolderTask, data))
 
     def __init__(
         self,

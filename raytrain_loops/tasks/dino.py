@@ -41,7 +41,7 @@ from raytrain_loops.data.formats import images as image_views
 from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.engine import LossOutput, StepContext, unwrap
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, params_at_least
-from raytrain_loops.tasks.cvnets import DATA
+from raytrain_loops.tasks.cvnets import by_data
 from raytrain_loops.tasks.digits import COLUMNS, DigitsTask, SmallCNN
 
 TEACHER_TEMP = "teacher_temp"
@@ -226,9 +226,7 @@ class DinoTask(DigitsTask):
     """
 
     def __new__(cls, *args: Any, data: str = "digits", **params: Any):
-        if data not in DATA:
-            raise ConfigError("task.params.data", f"must be one of {list(DATA)}; got {data!r}")
-        return super().__new__(DinoFolderTask if cls is DinoTask and data == "imagefolder" else cls)
+        return super().__new__(by_data(cls, DinoTask, DinoFolderTask, data))
 
     def __init__(
         self,
