@@ -93,7 +93,7 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
         "task.params.text_key=body",
         "task.params.max_len=32",
         "data.batch_size=4",
-        "data.shuffle_buffer=32",  # a worker's 64 rows in 2 windows: 2 preprocessing tasks, spread over the nodes
+        "data.shuffle_buffer=16",  # a worker's 64 rows in 4 windows: 4 preprocessing tasks, spread over the nodes
         "precision.dtype=fp32",
         "loop.max_steps=16",
         "eval.every_steps=16",
