@@ -51,6 +51,11 @@ EVAL_SHARE = 0.25
 _PLANS: OrderedDict[tuple[str, int], Plan] = OrderedDict()
 """The plans of later epochs a preprocessing process built, by (execution, epoch), the latest few."""
 
+AHEAD_EPOCHS = 2
+"""The epochs one train execution covers after the one it starts in: their plans are built here to
+list their windows (and again in the tasks that read them), so an attempt does not build every
+epoch's plan at its start; past them the next execution starts where it ended."""
+
 MAX_UNITS = 4096
 """The most windows one train execution covers: past them (a long run of small windows) the next
 execution starts where it ended."""
@@ -260,9 +265,10 @@ class RayPreprocessing:
     @staticmethod
     def _train_units(plan: Plan, start_row: int, epoch: int, ahead: EpochPlans) -> list[tuple[int, int, int]]:
         """The train split's windows from ``start_row`` of ``epoch`` on, then the following epochs'
-        whole, up to :data:`MAX_UNITS` windows (at least the first epoch's)."""
+        whole, up to :data:`AHEAD_EPOCHS` of them and :data:`MAX_UNITS` windows (at least the
+        first epoch's)."""
         units = [(epoch, w, s) for w, s in feed_units(plan, start_row)]
-        for e in range(epoch + 1, ahead.last + 1):
+        for e in range(epoch + 1, min(ahead.last, epoch + AHEAD_EPOCHS) + 1):
             later = [(e, w, 0) for w in range(ahead(e).windows)]
             if len(units) + len(later) > MAX_UNITS:
                 break
