@@ -3,10 +3,10 @@ device, with a task's :meth:`~raytrain_loops.tasks.Task.preprocess` executed by 
 (:class:`RayPreprocessing`). The loop's :class:`~raytrain_loops.engine.loop.BatchSource`.
 
 The plan (:mod:`raytrain_loops.data.parquet`) decides which rows this worker reads and in what
-order; Ray Data decides where and when they are preprocessed. The train split runs in one
-long-lived execution per worker per attempt, over this worker's windows of the epoch it starts
-in and of the epochs after it, in the plan's order (``preserve_order``): the next epoch's first
-rows are ready when it starts. Each evaluation runs an execution of its own. Every execution holds
+order; Ray Data decides where and when they are preprocessed. The train split runs in long-lived
+executions, each over this worker's windows of the epoch it starts in and of the next
+:data:`AHEAD_EPOCHS`, in the plan's order (``preserve_order``): the next epoch's first rows are
+ready when it starts. Each evaluation runs an execution of its own. Every execution holds
 this worker's share of ``data.preprocess.memory_gb`` (Ray Data's backpressure) and its blocks are
 bounded in bytes, so a window is never one object.
 """
