@@ -160,7 +160,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     left once the blocks outside its count are set aside (the one this worker's thread holds, the
     one the step reads, one more that a running task may write past the limit)."""
     import ray.data
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
     from ray.data._internal.execution.interfaces import ExecutionResources
 
     items = [{"epoch": e, "window": w, "skip": s} for e, w, s in units]
@@ -177,7 +177,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
         ds = ds.map_batches(_Preprocessor, **args)
     else:
         if p.concurrency:
-            args["concurrency"] = p.concurrency
+            args["compute"] = TaskPoolStrategy(size=p.concurrency)
         else:
             cpus = _cpus_share(p, world)
         ds = ds.map_batches(_preprocess_units, fn_kwargs={"work": work}, **args)
