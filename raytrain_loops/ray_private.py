@@ -8,7 +8,7 @@ process on the ``raytrain_loops.ray_private`` logger, which the driver's console
 ``ray.log`` and a worker's output reaches through Ray's forwarding; the cluster lint's parts
 have none (the lint reports a problem instead). ``tests/test_ray_private.py`` resolves every
 entry against the installed Ray and checks that no other module imports a private part of Ray:
-it is the first test to run on a newer Ray (README, "Trying a newer Ray").
+it is the first test to run on a newer Ray (the README's paragraph "Ray.").
 
 Imports of Ray are made where an accessor runs, so importing this module imports no Ray.
 """

@@ -1,7 +1,7 @@
 """The private parts of Ray in one place (raytrain_loops/ray_private.py): each resolves against
 the installed Ray, no other module of the package imports one, and the tests' own uses (their
 measurements and Ray's real objects) are listed here. Without a running Ray: importing Ray's
-modules starts none. The first test to run on a newer Ray (README, "Trying a newer Ray")."""
+modules starts none. The first test to run on a newer Ray (the README's paragraph "Ray.")."""
 
 from __future__ import annotations
 
