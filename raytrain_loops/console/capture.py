@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout, suppress
 from typing import Any
 
-from raytrain_loops import storage
+from raytrain_loops import ray_private, storage
 from raytrain_loops.console.deaths import raylet_line
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Feed, Sender
 from raytrain_loops.errors import root_cause
 
-RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve")
+RAY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air", "ray.serve", ray_private.LOGGER)
 DISPATCH_HANDLER = "ray_print_logs"  # the name Ray gives its handler of forwarded output
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 POLL_S = 0.3
@@ -102,11 +102,8 @@ class _ToRayLog(logging.Handler):
 def _autoscaler_events(lines: list[str]) -> list[str]:
     """The events among the autoscaler's lines, as Ray keeps them (all of them when Ray's filter
     is not where this expects)."""
-    try:
-        from ray._private.worker import filter_autoscaler_events
-    except ImportError:
-        return lines
-    return list(filter_autoscaler_events(lines))
+    events = ray_private.autoscaler_event_filter()
+    return lines if events is None else list(events(lines))
 
 
 def _from_ray(category: type, filename: str) -> bool:
@@ -244,13 +241,15 @@ class Console:
         Ray's handler of the workers' forwarded output is replaced by one writing to
         ``ray.log``. Ray has no public switch for where it goes, only on or off
         (``log_to_driver``), and off would lose it from ``ray.log`` too. The handler lives in a
-        private module of Ray: when it is not where and what this expects (another Ray version),
-        Ray's own handler stays and the output is shown as Ray prints it."""
+        private module of Ray (:func:`raytrain_loops.ray_private.stdstream_dispatcher`): when it is
+        not where and what this expects (another Ray version), Ray's own handler stays and the
+        output is shown as Ray prints it."""
         if self.verbose or self._dispatcher is not None:
             return
+        dispatcher = ray_private.stdstream_dispatcher()
+        if dispatcher is None:  # said in ray.log by the door
+            return
         try:
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
             with dispatcher._lock:
                 before = list(dispatcher.handlers)
                 saved = [(name, handler) for name, handler in before if name == DISPATCH_HANDLER]
@@ -271,15 +270,12 @@ class Console:
     def _divert_raylet_messages(self) -> None:
         """The raylet's messages to the driver (``(raylet) WARNING: 12 PYTHON worker processes
         have been started...``) to ``ray.log`` too: Ray prints them straight to stdout from its
-        error listener (``ray._private.worker.print_to_stdstream``), not through the dispatcher.
-        Left alone when that function is not where this expects it."""
-        try:
-            import ray._private.worker as ray_worker
-
-            original = ray_worker.print_to_stdstream
-        except Exception as err:
-            self._to_log(f"console: the raylet's messages are shown as Ray prints them ({root_cause(err)})")
+        error listener (:func:`raytrain_loops.ray_private.raylet_printer`), not through the
+        dispatcher. Left alone when that function is not where this expects it."""
+        ray_worker = ray_private.raylet_printer()
+        if ray_worker is None:  # said in ray.log by the door
             return
+        original = ray_worker.print_to_stdstream
 
         def routed(data: dict[str, Any], ignore_prefix: bool) -> None:
             if isinstance(data, dict) and data.get("pid") == "raylet":

@@ -9,7 +9,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_loops import storage
+from raytrain_loops import ray_private, storage
 from raytrain_loops.callbacks.mlflow_log import TrackedRun
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
@@ -24,19 +24,15 @@ class Trainer(TorchTrainer):
     workers read their rows themselves (:mod:`raytrain_loops.worker.batches`) and no Ray Dataset is passed, yet Ray Train
     starts a ``DatasetManager`` actor for every run: one more process, which imports Ray Data
     while the workers start (about 2.5 s of CPU here, on the cores the workers start on). Where a
-    Ray version has no such callback, every callback is kept."""
+    Ray version has no such callback (:func:`raytrain_loops.ray_private.datasets_callback`),
+    every callback is kept."""
 
     def _create_default_callbacks(self) -> list[Any]:
         callbacks = super()._create_default_callbacks()
-        if self.datasets or _DatasetsCallback is None:
+        datasets_callback = None if self.datasets else ray_private.datasets_callback()
+        if datasets_callback is None:
             return callbacks
-        return [c for c in callbacks if not isinstance(c, _DatasetsCallback)]
-
-
-try:  # Ray's private module: absent in another Ray version, the callback is kept
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback as _DatasetsCallback
-except ImportError:  # pragma: no cover
-    _DatasetsCallback = None
+        return [c for c in callbacks if not isinstance(c, datasets_callback)]
 
 
 def elastic(config: Config) -> bool:

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from raytrain_loops import ray_private
+
 SECRET_PATTERNS = {
     "an AWS access key id": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
     "an AWS secret access key": re.compile(r"aws_secret_access_key\s*[:=]\s*\S+", re.I),
@@ -87,10 +89,9 @@ def _schema_problems(cfg: dict[str, Any], where: str) -> list[str]:
 
 def effective_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` as ``ray up`` runs it: Ray's ``prepare_config`` then ``validate_config``."""
-    from ray.autoscaler._private.util import prepare_config, validate_config
-
-    prepared = prepare_config(copy.deepcopy(cfg))
-    validate_config(prepared)
+    prepare, validate = ray_private.prepare_config(), ray_private.validate_config()
+    prepared = prepare(copy.deepcopy(cfg))
+    validate(prepared)
     return prepared
 
 
@@ -169,8 +170,8 @@ def _public_rules(rules: list[dict[str, Any]]) -> list[str]:
 
 def aws_network_problems(cfg: dict[str, Any], where: str) -> list[str]:
     """Public IPs and security groups Ray's AWS bootstrap would give the nodes of ``cfg``."""
-    from ray.autoscaler._private.aws import config as aws
-
+    configure_interfaces = ray_private.aws_network_interfaces()
+    default_rules = ray_private.aws_default_inbound_rules()
     out = []
     for key, node_type in _types(cfg).items():
         node_config = node_type.get("node_config", {})
@@ -185,14 +186,14 @@ def aws_network_problems(cfg: dict[str, Any], where: str) -> list[str]:
         if any(nic.get("Ipv6AddressCount") or nic.get("Ipv6Addresses") for nic in nics):
             out.append(f"{where}: node type {key}: gets a globally routable IPv6 address")
     try:
-        network = aws._configure_from_network_interfaces(cfg)
+        network = configure_interfaces(cfg)
     except ValueError as err:
         return out + [f"{where}: {err} (Ray's NetworkInterfaces check)"]
     # The selection Ray's _configure_security_group makes before it creates and fills a group.
     created = sorted(k for k, t in _types(network).items() if "SecurityGroupIds" not in t["node_config"])
     if created:
         extra = cfg["provider"].get("security_group", {}).get("IpPermissions", [])
-        opened = _public_rules(aws._create_default_inbound_rules(["sg-created-by-ray"], extra))
+        opened = _public_rules(default_rules(["sg-created-by-ray"], extra))
         out.append(
             f"{where}: node types {', '.join(created)} name no existing security group, so Ray creates one "
             f"whose rules open {'; '.join(opened) or 'what provider.security_group lists'}; "
@@ -221,9 +222,8 @@ class _OfflineCompute:
 
 def gcp_network_problems(cfg: dict[str, Any], where: str) -> list[str]:
     """External IPs Ray's GCP bootstrap would give the nodes of ``cfg`` (Ray adds no firewall rule)."""
-    from ray.autoscaler._private.gcp import config as gcp
-
-    network = gcp._configure_subnet(cfg, _OfflineCompute(cfg["provider"].get("region", "")))
+    configure_subnet = ray_private.gcp_configure_subnet()
+    network = configure_subnet(cfg, _OfflineCompute(cfg["provider"].get("region", "")))
     out = []
     for key, node_type in _types(network).items():
         node_config = node_type["node_config"]
@@ -244,6 +244,8 @@ def launcher_problems(cfg: dict[str, Any], where: str) -> list[str]:
     out = _schema_problems(cfg, where)
     try:
         effective = effective_config(cfg)
+    except ray_private.Missing as err:  # this Ray cannot judge it: said, never passed
+        return out + [f"{where}: cannot be judged as `ray up` runs it: {err}"]
     except Exception as err:  # anything Ray's own preparation refuses
         if not out:
             out.append(f"{where}: Ray's prepare_config/validate_config refuses it: {err}")
@@ -253,7 +255,10 @@ def launcher_problems(cfg: dict[str, Any], where: str) -> list[str]:
     if provider in ("aws", "gcp"):
         out += _access_problems(effective, where)
         checks = aws_network_problems if provider == "aws" else gcp_network_problems
-        out += checks(effective, where)
+        try:
+            out += checks(effective, where)
+        except ray_private.Missing as err:
+            out.append(f"{where}: its network cannot be checked: {err}")
     else:
         out.append(f"{where}: provider.type {provider!r}: this lint knows the network of aws and gcp only")
     return out

@@ -160,8 +160,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     left once the blocks outside its count are set aside (the one this worker's thread holds, the
     one the step reads, one more that a running task may write past the limit)."""
     import ray.data
-    from ray.data import ActorPoolStrategy, TaskPoolStrategy
-    from ray.data._internal.execution.interfaces import ExecutionResources
+    from ray.data import ActorPoolStrategy, ExecutionResources, TaskPoolStrategy
 
     items = [{"epoch": e, "window": w, "skip": s} for e, w, s in units]
     ds = ray.data.from_items(items, override_num_blocks=len(items))

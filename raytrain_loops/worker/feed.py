@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from raytrain_loops import ray_private
+
 _DONE = object()
 
 CLOSE_S = 0.5
@@ -56,10 +58,9 @@ def offered(ask: dict[str, float]) -> str:
 
 def _available_by_node() -> dict[str, dict[str, float]]:
     """Each node's available resources, where Ray tells them per node (else none: totals only)."""
+    per_node = ray_private.available_resources_per_node()
     try:
-        from ray._private.state import available_resources_per_node  # a private Ray module
-
-        return available_resources_per_node()
+        return per_node() if per_node is not None else {}
     except Exception:  # a Ray without it: the line gives the totals and 0 free
         return {}
 
@@ -118,7 +119,7 @@ class Execution:
         if self._stop.is_set():
             return
         self._stop.set()
-        executor = getattr(self.dataset, "_current_executor", None)  # Ray Data's, once it started
+        executor = ray_private.current_executor(self.dataset)  # Ray Data's, once it started
         if executor is not None:
             with contextlib.suppress(Exception):  # already shut down, or a Ray Data that shuts down otherwise
                 executor.shutdown(force=True)

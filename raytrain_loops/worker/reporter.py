@@ -11,6 +11,7 @@ from typing import Any
 import ray
 import ray.train
 
+from raytrain_loops import ray_private
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.coalesce import skipping_note
@@ -34,16 +35,10 @@ class RayReporter(CheckpointReporter):
     def in_flight(self) -> bool:
         """Whether a report of this worker's is not yet taken by Ray Train's controller: uploading,
         waiting for its turn, or in the worker's result queue (one place: the controller takes one
-        report per poll). Read from Ray's training context, which has no public reading of it;
-        where that is not as this expects, False (every report goes out)."""
-        try:
-            from ray.train.v2._internal.execution.context import get_train_context
-
-            context = get_train_context()
-            made, queued = context.report_call_index, context.current_report_index
-            return made > queued or context.get_result_queue().qsize() > 0
-        except (ImportError, AttributeError, RuntimeError):
-            return False
+        report per poll). Read from Ray's training context, which has no public reading of it
+        (:func:`raytrain_loops.ray_private.report_in_flight`); where that is not as this expects,
+        False (every report goes out)."""
+        return bool(ray_private.report_in_flight())
 
     def skipped(self, last_sent: int | None, step: int, checkpoint: bool = False) -> None:
         """The loop skipped its first report (every worker's reporter is told; ``checkpoint``: it
