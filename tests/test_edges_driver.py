@@ -4,6 +4,8 @@ columns' size in memory, read from the Parquet footers."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -84,6 +86,8 @@ def test_every_built_in_task_passes_the_check():
 
     for name in BUILTIN_PATHS:
         cls = builtin(name)
+        if not isinstance(cls, type):  # a function that builds the task: the class it returns
+            cls = inspect.signature(cls, eval_str=True).return_annotation
         check_task_methods(name, cls.__new__(cls))
 
 

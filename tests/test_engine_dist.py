@@ -8,7 +8,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.meters import reduce_metrics
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -239,7 +238,7 @@ def _rank_dependent_metric(rank: int, world: int):
     engine.loss_fn = loss
     engine.train_step([(x[:8], y[:8])])
     engine.train_step([(x[8:], y[8:])])
-    return reduce_metrics(engine)
+    return engine.reduce_metrics()
 
 
 def test_metrics_are_aggregated_over_all_workers_not_rank0():

@@ -12,7 +12,6 @@ from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine, LossOutput, LossScaleError, NonFiniteError, schedule_value
 from raytrain_loops.engine.length import epochs_in_run
 from raytrain_loops.engine.loop import accum_steps, timed_groups
-from raytrain_loops.engine.meters import reduce_metrics
 from tests import fakes
 
 
@@ -246,11 +245,11 @@ def test_metrics_are_weighted_means_over_the_interval():
     x, y = fakes.regression_data(n=12)
     r1 = engine.train_step(fakes.split(x, y, [2, 4]))
     r2 = engine.train_step(fakes.split(x[6:], y[6:], [6]))
-    m = reduce_metrics(engine)
+    m = engine.reduce_metrics()
     assert m["loss"] == pytest.approx((r1.loss * 6 + r2.loss * 6) / 12)
     assert m["mse"] == pytest.approx(m["loss"])  # logs weighted by sample size too
     assert m["sample_size"] == 6 and m["step"] == 2
-    assert reduce_metrics(engine).keys() == {"step", "epoch", "overflow", "nonfinite", "oom"}  # reset after reading
+    assert engine.reduce_metrics().keys() == {"step", "epoch", "overflow", "nonfinite", "oom"}  # reset after reading
 
 
 def test_timed_groups_and_accumulation_start_epoch():

@@ -125,8 +125,6 @@ class _Runs:
 
 def test_train_bpb_is_the_updates_nll_over_all_its_bytes_not_a_mean_weighted_by_tokens(tmp_path, corpus):  # noqa: F811
     from raytrain_loops.engine import Engine
-    from raytrain_loops.engine.meters import reduce_metrics
-
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     task = _task(corpus, tmp_path, model={**TINY_GPT2, **no_dropout})
     # Two micro-batches of one update, with unlike bytes per token: plain words, and two-byte letters.
@@ -143,7 +141,7 @@ def test_train_bpb_is_the_updates_nll_over_all_its_bytes_not_a_mean_weighted_by_
             nbytes += sum(covered)
     engine = Engine(model, task.criterion, fakes.config("loss.reduction=sum").engine, total_steps=1)
     engine.train_step(batches)
-    assert reduce_metrics(engine)["bpb"] == pytest.approx(nll / (nbytes * math.log(2)), rel=1e-5)
+    assert engine.reduce_metrics()["bpb"] == pytest.approx(nll / (nbytes * math.log(2)), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- packing

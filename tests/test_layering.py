@@ -1,5 +1,5 @@
 """The house's rules (docs/architecture.md): the floors, each importing only from its own floor and
-those below; no folder of more than 12 modules; the Ray-free floors (config, storage, the
+those below; no modules importing one another in a circle; no folder of more than 12 modules; the Ray-free floors (config, storage, the
 errors, the engine, the loop callbacks, data, the run directory, the runtime) and the console's
 display and feed import no Ray; no module over 450 lines and no function over 60."""
 
@@ -91,6 +91,39 @@ def upward_imports(package: Path = PACKAGE) -> list[str]:
     return problems
 
 
+def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """The circles of the package's modules importing one another, each sorted (its strongly
+    connected components of more than one module; imports in functions and ``TYPE_CHECKING``
+    blocks count, and ``from pkg import name`` counts as an import of the package)."""
+    found = modules(package)
+    graph = {m: sorted({t for _, t in imports(m, p, set(found)) if t != m and t in found}) for m, p in found.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
 def crowded_folders(package: Path = PACKAGE) -> list[str]:
     """The folders holding more than :data:`MAX_MODULES` modules (``__init__.py`` not counted), and
     those of modules without an ``__init__.py`` (setuptools' ``find`` would leave them out)."""
@@ -104,6 +137,25 @@ def crowded_folders(package: Path = PACKAGE) -> list[str]:
 def test_nothing_imports_from_a_floor_above_its_own_and_every_floor_is_there():
     assert [f for f in FLOORS if f not in modules()] == []  # a floor the list names but the package lost
     assert upward_imports() == []
+
+
+def test_no_modules_import_one_another_in_a_circle():
+    assert import_cycles() == []
+
+
+def test_the_circle_check_counts_imports_under_type_checking_and_through_a_package(tmp_path):
+    pkg = tmp_path / ROOT
+    for name in ("__init__", "engine/__init__", "engine/step", "engine/meters", "engine/api", "tasks/__init__", "tasks/base"):
+        (pkg / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
+        (pkg / f"{name}.py").write_text("")
+    (pkg / "engine/step.py").write_text("from raytrain_loops.engine import meters, api\n")
+    (pkg / "engine/meters.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .step import Engine\n")
+    (pkg / "tasks/__init__.py").write_text("from raytrain_loops.tasks.base import Task\n")
+    (pkg / "tasks/base.py").write_text("def f():\n    from raytrain_loops.tasks import BUILTIN\n")
+    assert import_cycles(pkg) == [
+        [f"{ROOT}.engine.meters", f"{ROOT}.engine.step"],
+        [f"{ROOT}.tasks", f"{ROOT}.tasks.base"],
+    ]
 
 
 def test_no_folder_holds_more_than_12_modules():

@@ -14,7 +14,6 @@ import torch
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.meters import reduce_metrics
 from raytrain_loops.tasks.base import build_task
 from raytrain_loops.tasks.lm import IGNORE, LMTask
 from tests import fakes
@@ -146,7 +145,7 @@ def test_a_tiny_generated_token_model_goes_well_below_the_unigram_toward_the_flo
     engine = Engine(task.build_model(), task.criterion, config.engine, total_steps=steps)
     for step in range(steps):
         engine.train_step([train[step % len(train)]])
-    logged = reduce_metrics(engine)
+    logged = engine.reduce_metrics()
     assert "bpt" in logged and "bpb" not in logged  # bits per token, not per byte
     sums: dict[str, float] = {}
     engine.module.eval()

@@ -12,7 +12,7 @@ from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.engine.meters import Meters, Smoother, end_epoch_metrics, reduce_metrics
+from raytrain_loops.engine.meters import Meters, Smoother
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -147,10 +147,10 @@ def test_batch_time_is_data_time_plus_compute_time():
     x, y = fakes.regression_data(n=8)
     engine.train_step([(x, y)], data_time=0.25)
     engine.train_step([(x, y)], data_time=0.75)
-    m = reduce_metrics(engine)
+    m = engine.reduce_metrics()
     assert m["data_time"] == 0.5
     assert m["batch_time"] == pytest.approx(m["data_time"] + m["compute_time"])
-    assert end_epoch_metrics(engine)["batch_time"] == pytest.approx(m["batch_time"])
+    assert engine.end_epoch_metrics()["batch_time"] == pytest.approx(m["batch_time"])
 
 
 INTERVALS = [

@@ -12,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.engine import Engine, LossOutput, NonFiniteError
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.engine.meters import reduce_metrics
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tasks.dino import update_center
 from tests import fakes
@@ -72,7 +71,7 @@ def _two_workers_with_uneven_boxes(rank: int, world: int, boxes: list[torch.Tens
         result = engine.train_step(batches)
     finally:
         collectives.all_reduce_sum = original
-    metrics = reduce_metrics(engine)
+    metrics = engine.reduce_metrics()
     return {
         "applied": result.applied,
         "weight": module.weight.detach().clone(),

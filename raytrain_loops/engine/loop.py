@@ -30,7 +30,7 @@ from raytrain_loops.engine.coalesce import Coalescing
 from raytrain_loops.engine.devices import copied_ahead, to_device
 from raytrain_loops.engine.distributed import collectives, sharding
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
-from raytrain_loops.engine.meters import Meters, end_epoch_metrics, flush_epoch_metrics, reduce_metrics
+from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.update.precision import autocast
 from raytrain_loops.engine.update.step import Engine
 from raytrain_loops.streams import close as _close  # a split's stream, when its epoch or evaluation ends
@@ -236,7 +236,7 @@ def evaluate(
         m.eval()
     paired: Iterable[tuple[Any, bool]] = ((b, True) for b in batches)
     padding: dict[str, dict[str, Any]] = {}  # the metrics zero-weight batches update, never computed
-    if engine.sharded and engine.world_size > 1:
+    if engine.strategy.shards_across_workers:
         paired = sharding.lockstep(batches)
         padding = {prefix: _fresh_metrics(metrics_fn, engine.device) for prefix, _ in models}
     with torch.no_grad(), autocast(engine.config.precision, engine.device):
@@ -349,7 +349,7 @@ class Loop:
                 pass
         finally:
             _close(stream)
-        self.last_epoch = {f"train_{k}": v for k, v in end_epoch_metrics(engine).items()}
+        self.last_epoch = {f"train_{k}": v for k, v in engine.end_epoch_metrics().items()}
         for cb in self.callbacks:
             cb.on_epoch(self.last_epoch, engine.step, epoch)
         engine.epoch += 1
@@ -386,7 +386,7 @@ class Loop:
         for cb in self.callbacks:
             for name, (value, weight) in cb.interval_meters().items():
                 self.engine.meters.add(name, value, weight)
-        metrics = reduce_metrics(self.engine)
+        metrics = self.engine.reduce_metrics()
         for cb in self.callbacks:
             metrics.update(cb.interval_metrics(metrics))
         return metrics
@@ -432,7 +432,7 @@ class Loop:
         if checkpoint_now:
             # The epoch's sums so far, over all workers, go into the checkpoint: a run resumed
             # from it ends the epoch with the same averages as this one.
-            flush_epoch_metrics(engine)
+            engine.flush_epoch_metrics()
             for cb in self.callbacks:
                 cb.before_checkpoint()
             states = {cb.state_key: cb.state_dict() for cb in self.callbacks}

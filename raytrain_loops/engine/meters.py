@@ -1,8 +1,6 @@
 """Metric sums and weights kept where they are produced, aggregated across workers on demand:
 over a logging interval, and over an epoch (the global averages DINO and DETR return from an
-epoch); the engine's meters, fed by each applied update (:func:`log_step`) and reduced where the
-loop says (:func:`reduce_metrics`, :func:`flush_epoch_metrics`, :func:`end_epoch_metrics`); and
-:class:`Smoother`, the smoothed values of the interval means that the progress line shows
+epoch), fed by each applied update (:meth:`Meters.add_update`); and :class:`Smoother`, the smoothed values of the interval means that the progress line shows
 (seamseg's momentum meters, DETR's window median)."""
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from raytrain_loops.engine.distributed import collectives
 
 if TYPE_CHECKING:
     from raytrain_loops.engine.update.decision import Reduced
-    from raytrain_loops.engine.update.step import Engine
 
-__all__ = ["Meters", "Smoother", "end_epoch_metrics", "flush_epoch_metrics", "log_step", "reduce_metrics"]
+__all__ = ["Meters", "Smoother"]
 
 Number = torch.Tensor | float
 
@@ -79,6 +76,36 @@ class Meters:
         if self._epoch is not None:
             self._epoch.add(name, total, weight)
 
+    def add_update(
+        self,
+        logs: list[tuple[dict[str, Any], Any]],
+        reduced: Reduced,
+        lr: float,
+        compute: float,
+        data_time: float,
+        world_size: int,
+    ) -> None:
+        """Add an applied update: the criterion's ``logs`` (``(values, weight)`` per micro-batch; a
+        value that is a ``(value, weight)`` pair takes its own weight), the reduced loss and
+        gradient norm, the learning rate, the throughput and the step's times."""
+        for values, weight in logs:
+            for name, v in values.items():
+                self.add(name, *v) if isinstance(v, tuple) else self.add(name, v, weight)  # a pair: its own weight
+        # Host numbers, already identical on every worker: weight by 1/world so the summed
+        # reduction gives back the value itself.
+        w = 1.0 / world_size
+        self.add("loss", reduced.loss, reduced.weight * w)
+        self.add("grad_norm", reduced.grad_norm, w)
+        self.add("lr", lr, w)
+        self.add("sample_size", reduced.sample_size, w)
+        # Units (tokens, for a token-level criterion) per second of step time over all workers
+        # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
+        busy = compute + data_time
+        self.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
+        self.add("compute_time", compute)
+        self.add("data_time", data_time)
+        self.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
+
     def reduce(self) -> dict[str, float]:
         """The means since the last call, over all workers; every worker must call it together."""
         sums = self._all_reduce(self._interval)
@@ -92,6 +119,14 @@ class Meters:
             cell = self._epoch_reduced.setdefault(name, [0.0, 0.0])
             cell[0] += s
             cell[1] += w
+
+    def flush_epoch_at(self, step: int) -> None:
+        """:meth:`flush_epoch` unless it already ran at update ``step``: it runs a collective only
+        when an update was applied since the last one (the step count is the same on every
+        worker, so they agree)."""
+        if self.flushed_at != step:
+            self.flush_epoch()
+            self.flushed_at = step
 
     def end_epoch(self) -> dict[str, float]:
         """The epoch's weighted means over all workers, and a fresh epoch (every worker calls it
@@ -135,65 +170,6 @@ class Meters:
         packed = torch.stack([*cells, cell(flag)])
         collectives.all_reduce_sum(packed)
         return packed.tolist()
-
-
-def log_step(
-    engine: Engine,
-    logs: list[tuple[dict[str, Any], Any]],
-    reduced: Reduced,
-    lr: float,
-    compute: float,
-    data_time: float,
-) -> None:
-    """Add an applied update to the engine's meters: the criterion's ``logs`` (``(values,
-    weight)`` per micro-batch; a value that is a ``(value, weight)`` pair takes its own weight),
-    the reduced loss and gradient norm, the learning rate, the throughput and the step's times."""
-    m = engine.meters
-    for values, weight in logs:
-        for name, v in values.items():
-            m.add(name, *v) if isinstance(v, tuple) else m.add(name, v, weight)  # a pair: its own weight
-    # Host numbers, already identical on every worker: weight by 1/world so the summed
-    # reduction gives back the value itself.
-    w = 1.0 / engine.world_size
-    m.add("loss", reduced.loss, reduced.weight * w)
-    m.add("grad_norm", reduced.grad_norm, w)
-    m.add("lr", lr, w)
-    m.add("sample_size", reduced.sample_size, w)
-    # Units (tokens, for a token-level criterion) per second of step time over all workers
-    # (fairseq's wps): weighted by each worker's time, the interval mean is units / time.
-    busy = compute + data_time
-    m.add("sample_size_per_s", reduced.sample_size / busy, busy * w)
-    m.add("compute_time", compute)
-    m.add("data_time", data_time)
-    m.add("batch_time", busy)  # compute and waiting for data apart show which one holds a step up
-
-
-def reduce_metrics(engine: Engine) -> dict[str, float]:
-    """The engine's means over all workers since the last call, plus its counters. Every worker
-    must call it at the same point (it runs collectives)."""
-    out = engine.meters.reduce()
-    out.update(step=float(engine.step), epoch=float(engine.epoch))
-    out.update({k: float(v) for k, v in engine.counts.items() if k != "micro_batches"})
-    if engine.scaler.is_enabled():
-        out["loss_scale"] = engine.scaler.get_scale()
-    return out
-
-
-def flush_epoch_metrics(engine: Engine) -> None:
-    """Reduce the epoch's metric sums so far over all workers, so that the engine's state dict
-    holds them for every worker (before a checkpoint). Every worker must call it at the same
-    point; it runs a collective only when an update was applied since the last one (the step
-    count is the same on every worker, so they agree)."""
-    if engine.meters.flushed_at != engine.step:
-        engine.meters.flush_epoch()
-        engine.meters.flushed_at = engine.step
-
-
-def end_epoch_metrics(engine: Engine) -> dict[str, float]:
-    """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
-    fresh epoch. Every worker must call it at the same point (one all-reduce)."""
-    engine.meters.flushed_at = engine.step
-    return engine.meters.end_epoch()
 
 
 class Smoother:

@@ -225,6 +225,32 @@ def params_at_least(*checks: tuple[str, float, float]) -> None:
             raise ConfigError(f"task.params.{key}", f"must be >= {low}; got {value}")
 
 
+BUILTIN_PATHS = {
+    "digits": ("raytrain_loops.tasks.digits", "DigitsTask"),
+    "cvnets": ("raytrain_loops.tasks.cvnets", "CvnetsTask"),
+    "dino": ("raytrain_loops.tasks.dino", "DinoTask"),
+    "detr": ("raytrain_loops.tasks.detr", "DetrTask"),
+    "lm": ("raytrain_loops.tasks.lm", "LMTask"),
+    "seamseg": ("raytrain_loops.tasks.converted.seamseg_coco", "build_seamseg"),
+    "images": ("raytrain_loops.tasks.images", "ImagesTask"),
+    "hf_lm": ("raytrain_loops.tasks.hf_lm", "HFLMTask"),
+}
+"""name -> (module, class or function) of the built-in tasks, imported when first named."""
+
+BUILTIN_CLASSES = {
+    **{cls: module for module, cls in BUILTIN_PATHS.values() if cls[0].isupper()},
+    "SeamsegTask": "raytrain_loops.tasks.seamseg",
+}
+"""The built-in task classes by name -> their module (``from raytrain_loops.tasks import DetrTask``)."""
+
+
+def builtin(name: str) -> Any:
+    """The built-in task called ``name`` (a key of :data:`BUILTIN_PATHS`), imported now: its class,
+    or the function that builds it."""
+    module, attr = BUILTIN_PATHS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
 def _describe(obj: Any) -> str:
     if isinstance(obj, type):
         return f"class {obj.__module__}.{obj.__qualname__}"
@@ -257,8 +283,6 @@ def _check_factory(name: str, factory: Any) -> None:
 
 
 def _resolve(name: str) -> Any:
-    from raytrain_loops.tasks import BUILTIN_PATHS, builtin
-
     if name in BUILTIN_PATHS:
         return builtin(name)
     if ":" not in name:

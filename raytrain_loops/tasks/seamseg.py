@@ -311,18 +311,10 @@ class SeamsegTask(Task):
     ratios; see the module docstring. ``task.params``: the network's ``width``, ``loss_weights``
     (one per term of :data:`TERMS`, in order), the detections kept per image (``top_k``, above
     ``score_threshold``), and the data set's parameters (``ShapesSpec``; ``widths`` defaults to
-    two aspect ratios). ``data=coco``: a converted COCO directory (``tasks/converted/seamseg_coco.py``)."""
+    two aspect ratios). ``task.params.data=coco`` builds its COCO counterpart instead
+    (``tasks/converted/seamseg_coco.py``, whose :func:`build_seamseg` the name ``seamseg`` resolves to)."""
 
     count_keys = ("objects",)
-
-    def __new__(cls, *args: Any, data: str = "shapes", **params: Any):
-        if data not in ("shapes", "coco"):
-            raise ConfigError("task.params.data", f"must be one of ['shapes', 'coco']; got {data!r}")
-        if cls is SeamsegTask and data == "coco":
-            from raytrain_loops.tasks.converted.seamseg_coco import SeamsegCocoTask
-
-            cls = SeamsegCocoTask
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -331,7 +323,6 @@ class SeamsegTask(Task):
         top_k: int = 10,
         score_threshold: float = 0.05,
         widths: Sequence[int] = (64, 96),
-        data: str = "shapes",
         **generated: Any,
     ):
         params_at_least(("width", width, 1), ("top_k", top_k, 1))

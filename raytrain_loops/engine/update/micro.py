@@ -22,16 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.update.guards import TrainingError
-
-if TYPE_CHECKING:
-    from raytrain_loops.engine.update.step import Engine
 
 __all__ = ["Attempt", "MicroBatches", "Resize", "SplitError", "batch_rows", "split_batch"]
 
@@ -207,9 +204,9 @@ class MicroBatches:
     def _size(self, rows: int) -> int:
         return math.ceil(rows / self.splits)
 
-    def halve(self, engine: Engine, ooms: int) -> bool:
-        """After a step whose all-reduce counted an OOM (every worker calls it): double ``splits``
-        on every worker and return True, or False when a worker's batches cannot be halved
+    def halve(self, step: int, ooms: int) -> bool:
+        """After update ``step`` (0: the run's first), whose all-reduce counted an OOM (every worker
+        calls it): double ``splits`` on every worker and return True, or False when a worker's batches cannot be halved
         (``oom.policy`` then decides). One gather names the worker that ran out of memory."""
         if not self.auto:
             return False
@@ -218,20 +215,20 @@ class MicroBatches:
             return False
         rows = max(r for _, r, _ in seen)
         worker = next(r for r, (n, _, _) in enumerate(seen) if n > 0)
-        self._resize(engine, rows, worker, restart=False)
+        self._resize(step, rows, worker, restart=False)
         return True
 
-    def before_restart(self, engine: Engine) -> None:
+    def before_restart(self, step: int) -> None:
         """An OOM that the other workers cannot hear of (their collectives are under way): this
         worker halves alone and tells ``on_resize``, so the restarted group starts smaller."""
         if self.auto and self._rows and self._can_halve():
-            self._resize(engine, self._rows, collectives.rank(), restart=True)
+            self._resize(step, self._rows, collectives.rank(), restart=True)
 
-    def _resize(self, engine: Engine, rows: int, worker: int, *, restart: bool) -> None:
+    def _resize(self, step: int, rows: int, worker: int, *, restart: bool) -> None:
         old = self._size(rows)
         self.splits *= 2
         resize = Resize(
-            old, self._size(rows), worker, engine.step + 1, self._batches * self.splits, self.splits, restart
+            old, self._size(rows), worker, step + 1, self._batches * self.splits, self.splits, restart
         )
         if self.on_resize is not None:
             self.on_resize(resize)

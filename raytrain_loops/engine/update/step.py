@@ -1,35 +1,15 @@
-"""The update: :class:`Engine`, the per-worker model, optimizer, loss scaler, EMA and counters,
-and its one optimizer update over K micro-batches, with the numerics of the seed loops; its state
-dict (the checkpoint's ``model``, ``optimizer``, ``scaler``, ``ema``, ``counters``, ``callbacks``,
-``meters``, ``rng``, ``layout``).
-
-Per step, on every worker (docs/architecture.md places it among the layers):
-
-1. forward under autocast and backward for each micro-batch; DDP synchronises gradients only on
-   the last one (``no_sync`` on the others), and so does FSDP (its reduce-scatter; every worker
-   runs every micro-batch's forward, a zero-weight one when it has no data, since FSDP gathers
-   the parameters in each forward): :mod:`~raytrain_loops.engine.distributed.step_sync`;
-2. one all-reduce of a small vector ``[sample_size, loss_sum, loss_terms, ooms, grad_norm^2]``,
-   each worker's part of the squared norm of its shard under FSDP,
-   followed (``grad_sync.check``, DDP only) by one slot per worker for its own squared gradient norm and
-   by the criterion's ``stats``, and one host read of it: every decision below is taken from the
-   reduced values, so every worker takes the same one. A task that declares counts adds one
-   small all-reduce before the forward passes (``ctx.totals``); nothing else synchronises;
-3. :func:`~raytrain_loops.engine.update.decision.decide`, a pure function of the reduced values: apply,
-   or skip (OOM anywhere, no data anywhere, fp16 overflow, non-finite) and possibly raise, the
-   same on all workers (:mod:`~raytrain_loops.engine.update.skips`); raise when the workers' gradient
-   norms differ (DDP left them unsynchronised);
-4. otherwise normalise (``sum`` mode: multiply by ``world_size / total_sample_size``, DDP having
-   averaged), clip (global or per-parameter), cancel the frozen last layer's gradients, step the
-   optimizer, update the loss scale, count the step and update the EMA; the update's values go
-   to the engine's meters (:func:`~raytrain_loops.engine.meters.log_step`).
+"""The update: :class:`Engine`, one worker's model, optimizer, loss scaler, EMA and counters, and
+its one optimizer update over K micro-batches (:meth:`Engine.train_step`), with the numerics of
+the seed loops; its state dict is the checkpoint's ``model``, ``optimizer``, ``scaler``, ``ema``,
+``counters``, ``callbacks``, ``meters``, ``rng`` and ``layout``. The step's semantics:
+docs/engine.md; where it sits among the layers: docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,53 +18,22 @@ from torch import nn
 from raytrain_loops.config.engine import EngineConfig
 from raytrain_loops.engine.api import LossFn, LossOutput, StepContext, StepResult
 from raytrain_loops.engine.devices import to_device, unwrap
-from raytrain_loops.engine.distributed import collectives, sharding, step_sync
+from raytrain_loops.engine.distributed import collectives, sharding
+from raytrain_loops.engine.distributed.strategy import Forward, Strategy, check_grad_sync
 from raytrain_loops.engine.length import accum_steps
-from raytrain_loops.engine.meters import Meters, log_step
+from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.optim import schedules
+from raytrain_loops.engine.optim.clip import clip_and_normalise
 from raytrain_loops.engine.optim.optimizer import apply_values, frozen_params, keep_kernel, optimizer_scaler_ema
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.update import skips
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
-from raytrain_loops.engine.update.guards import is_oom
+from raytrain_loops.engine.update.guards import GroupBrokenError, is_oom
 from raytrain_loops.engine.update.micro import MicroBatches, SplitFn
 from raytrain_loops.engine.update.precision import autocast
+from raytrain_loops.engine.update.skips import REASONS, Skips, describe_nonfinite, reruns
+from raytrain_loops.engine.update.sums import LocalSums
 
 __all__ = ["Engine"]
-
-
-@dataclass
-class LocalSums:
-    """This worker's sums over its micro-batches, before the reduction."""
-
-    sample_size: torch.Tensor | float = 0.0
-    loss_sum: torch.Tensor | float = 0.0
-    terms: float = 0.0
-    ooms: int = 0
-    losses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (micro-batch index, loss)
-    logs: list[tuple[dict[str, Any], Any]] = field(default_factory=list)  # (criterion logs, weight)
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # summed over micro-batches
-    term_sums: dict[str, float] = field(default_factory=dict)  # unscaled terms, for error messages
-
-    def add(self, index: int, out: LossOutput) -> None:
-        """Add micro-batch ``index``'s criterion output (detached)."""
-        loss = out.loss.detach().float()
-        self.losses.append((index, loss))
-        self.loss_sum = self.loss_sum + loss
-        self.sample_size = self.sample_size + out.sample_size
-        self.terms += 1.0
-        self.add_stats(out.stats)
-        if out.terms:
-            self.logs.append(({**out.logs, **out.term_logs()}, out.sample_size))
-            for name, t in out.terms.items():
-                self.term_sums[name] = self.term_sums.get(name, 0.0) + t.detach().float()
-        else:
-            self.logs.append((out.logs, out.sample_size))
-
-    def add_stats(self, stats: dict[str, torch.Tensor], weight: float = 1.0) -> None:
-        for k, v in stats.items():
-            v = v.detach().double().flatten() * weight
-            self.stats[k] = v if k not in self.stats else self.stats[k] + v
 
 
 class Engine:
@@ -97,11 +46,10 @@ class Engine:
     ``total_epochs`` the epochs it spans (:func:`~raytrain_loops.engine.length.epochs_in_run`),
     required by ``per: epoch`` schedules, which follow ``Engine.epoch`` (set by the loop).
 
-    The step's DDP/FSDP mechanics (:mod:`~raytrain_loops.engine.distributed.step_sync`), a
-    skipped update (:mod:`~raytrain_loops.engine.update.skips`) and the meters' logging
-    (:mod:`~raytrain_loops.engine.meters`) are functions taking the engine, reading its public
-    attributes. :meth:`state_dict`, :meth:`load_state_dict` and :meth:`sharded_targets` are its
-    state, as checkpoints hold it.
+    Its parts, each with its own state: the DDP/FSDP side of the step (``strategy``, a
+    :class:`~raytrain_loops.engine.distributed.strategy.Strategy`), the skip policy (``skips``),
+    the micro-batching (``micro``) and the metric sums (``meters``). :meth:`state_dict`,
+    :meth:`load_state_dict` and :meth:`sharded_targets` are its state, as checkpoints hold it.
     """
 
     def __init__(
@@ -130,12 +78,12 @@ class Engine:
         if per_epoch and total_epochs < 1:
             raise ValueError(f"schedules {per_epoch} are per=epoch: the Engine needs total_epochs (the run's epochs)")
         self.world_size = collectives.world_size()
-        self.ddp, self.sharded = step_sync.wrapping(model, self.world_size)
+        self.strategy = Strategy(model, self.world_size)
         self.device = sharding.local(next(self.module.parameters())).device
         self._cdev = collectives.collective_device()
         # Under FSDP each worker holds its own shard of the gradients, whose norms differ by
         # design: there is nothing to compare, and the reduce-scatter leaves no copy to drift.
-        self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.sharded
+        self._check_sync = config.grad_sync.check and self.world_size > 1 and not self.strategy.sharded
         self._mean = config.loss.reduction == "mean"
         # accum.micro_batch=auto: each batch split into micro.splits, doubled on an OOM anywhere.
         self.micro = MicroBatches(config.accum.micro_batch == "auto", self._mean, split_batch)
@@ -143,7 +91,7 @@ class Engine:
             self.module,
             config,
             self.device,
-            sharded=self.sharded,
+            sharded=self.strategy.sharded,
             task_param_groups=task_param_groups,
             ema_module=ema_module,
         )
@@ -154,15 +102,29 @@ class Engine:
         self._counts, self._count_keys = counts, tuple(count_keys)
         self._after_step = after_step
         self.meters = Meters(epochs=True)
-        self.dummy_batch: Any = None  # a batch to join the collectives with at zero weight
-        # Counters: all part of the saved state.
+        self.skips = Skips(config, self.optimizer, self.scaler)
+        # Counters: all part of the saved state (with the skips' counts and the micro-batch splits).
         self.step = 0
         self.epoch = 0
-        self.counts = {"overflow": 0, "nonfinite": 0, "oom": 0, "micro_batches": 0}
-        self.in_a_row = {"nonfinite": 0, "oom": 0}
+        self.micro_batches = 0
         # The loop's callbacks' state by callback name, saved and restored with the engine's:
         # the loop sets it before each checkpoint and hands it back when a run resumes.
         self.callback_state: dict[str, Any] = {}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2's ``fully_shard``."""
+        return self.strategy.sharded
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The updates skipped, by reason, and the micro-batches run."""
+        return {**self.skips.counts, "micro_batches": self.micro_batches}
+
+    @property
+    def in_a_row(self) -> dict[str, int]:
+        """The updates skipped in a row, by reason."""
+        return self.skips.in_a_row
 
     # ------------------------------------------------------------------ the step
 
@@ -174,9 +136,13 @@ class Engine:
 
     def train_step(self, micro_batches: Sequence[Any], data_time: float = 0.0) -> StepResult:
         """One optimizer update over ``micro_batches`` (a ``None`` entry stands for a worker that
-        has run out of data: it still joins the collectives, contributing nothing). Under
-        ``accum.micro_batch=auto`` each is split into ``micro.splits``, and an OOM on any worker
-        doubles them on every worker and tries the same update again (:mod:`.micro`)."""
+        has run out of data: it still joins the collectives, contributing nothing), on every
+        worker: forward and backward of each micro-batch, gradients synchronised on the last one
+        only; one all-reduce of the step's sums and one host read of it; :func:`decide` on the
+        reduced values, the same on every worker; then apply (normalise, clip, step, count,
+        EMA) or skip (:class:`Skips`). Under ``accum.micro_batch=auto`` each batch is split into
+        ``micro.splits``, and an OOM on any worker doubles them on every worker and tries the
+        same update again (:mod:`.micro`)."""
         start = time.perf_counter()
         attempt = self.micro.attempt(self.module)
         while True:
@@ -205,17 +171,21 @@ class Engine:
                 "(pass after_step=task.after_step)"
             )
         decision = decide(reduced, fp16=self.scaler.is_enabled())
-        if decision is Decision.SKIP_OOM and self.micro.halve(self, int(local.ooms)):
-            skips.retry(self)
+        if decision is Decision.SKIP_OOM and self.micro.halve(self.step, int(local.ooms)):
+            self.skips.retry()
             return None
         if decision is Decision.APPLY:
             self._apply(reduced, grads, values["ema_momentum"])
             if self._after_step is not None and stats:
                 self._after_step(self.module, stats)
             compute = time.perf_counter() - start
-            log_step(self, local.logs, reduced, values["lr"], compute, data_time)
+            self.meters.add_update(local.logs, reduced, values["lr"], compute, data_time, self.world_size)
         else:
-            skips.skip(self, decision, micro_batches, local, ctx)
+            rerun = reruns(self.module, self.loss_fn, self.config.precision, self.device, ctx)
+            describe = lambda: describe_nonfinite(  # noqa: E731
+                self.strategy, self.module, rerun, micro_batches, local, self.step, self.epoch
+            )
+            self.skips.skip(decision, self.step, describe)
             compute = time.perf_counter() - start
         return StepResult(
             decision,
@@ -227,40 +197,6 @@ class Engine:
             data_time=data_time,
             local_sample_size=local.sample_size,
         )
-
-    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> LocalSums:
-        """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
-        k = len(micro_batches)
-        # accum.reduce=sum: the sum of the epoch's accum.steps micro-batches' mean-loss gradients
-        # (k of them, or more when an elastic group runs more per worker); mean: their mean.
-        divisor = k / accum_steps(self.config.accum, self.epoch) if self.config.accum.reduce == "sum" else k
-        local = LocalSums()
-        for i, batch in enumerate(micro_batches):
-            ctx.micro_index = i
-            last = i == k - 1
-            if batch is None:
-                step_sync.join_with_dummy(self, ctx, last, local)
-                continue
-            batch = to_device(batch, self.device)
-            if self.dummy_batch is None:
-                # Kept before the forward: a worker whose very first micro-batch fails (OOM on
-                # the first step after a restart) still has a batch to join the all-reduce with.
-                self.dummy_batch = batch
-            backward = False
-            try:
-                with step_sync.sync(self, last):
-                    with autocast(self.config.precision, self.device):
-                        out = self.loss_fn(self.model, batch, ctx)
-                    backward = True
-                    self.scaler.scale(out.loss / divisor if self._mean else out.loss).backward()
-            except Exception as err:
-                if not is_oom(err):
-                    raise
-                step_sync.recover_from_oom(self, ctx, err, local, backward=backward, last=last)
-                continue
-            local.add(i, out)
-        self.counts["micro_batches"] += k
-        return local
 
     def _totals(self, micro_batches: Sequence[Any]) -> dict[str, float]:
         """The task's counts summed over this update's micro-batches and all workers: one
@@ -280,6 +216,69 @@ class Engine:
         packed = torch.tensor([sums[k] for k in self._count_keys], dtype=torch.float64, device=self._cdev)
         collectives.all_reduce_sum(packed)
         return dict(zip(self._count_keys, packed.tolist(), strict=True))
+
+    def _forward_backward(self, micro_batches: Sequence[Any], ctx: StepContext) -> LocalSums:
+        """Forward and backward of each micro-batch; DDP synchronises on the last one only."""
+        k = len(micro_batches)
+        # accum.reduce=sum: the sum of the epoch's accum.steps micro-batches' mean-loss gradients
+        # (k of them, or more when an elastic group runs more per worker); mean: their mean.
+        divisor = k / accum_steps(self.config.accum, self.epoch) if self.config.accum.reduce == "sum" else k
+        local = LocalSums()
+        for i, batch in enumerate(micro_batches):
+            ctx.micro_index = i
+            last = i == k - 1
+            if batch is None:
+                _zero_weight(local, self.strategy.join(self._forward(ctx), last))
+                continue
+            batch = to_device(batch, self.device)
+            if self.strategy.dummy_batch is None:
+                # Kept before the forward: a worker whose very first micro-batch fails (OOM on
+                # the first step after a restart) still has a batch to join the all-reduce with.
+                self.strategy.dummy_batch = batch
+            backward = False
+            try:
+                with self.strategy.sync(last):
+                    out = self._forward(ctx)(batch)
+                    backward = True
+                    self.scaler.scale(out.loss / divisor if self._mean else out.loss).backward()
+            except Exception as err:
+                if not is_oom(err):
+                    raise
+                self._recover_from_oom(err, ctx, local, backward=backward, last=last)
+                continue
+            local.add(i, out)
+        self.micro_batches += k
+        return local
+
+    def _forward(self, ctx: StepContext) -> Forward:
+        """The criterion on one batch through the (wrapped) model, under the run's autocast."""
+
+        def forward(batch: Any) -> LossOutput:
+            with autocast(self.config.precision, self.device):
+                return self.loss_fn(self.model, batch, ctx)
+
+        return forward
+
+    def _recover_from_oom(self, err: BaseException, ctx: StepContext, local: LocalSums, *, backward: bool, last: bool) -> None:
+        """After an OOM in a micro-batch's forward/backward: count it (every worker decides alike
+        after the all-reduce, ``oom.policy`` or ``accum.micro_batch=auto``), free the memory and
+        join the collectives at zero weight; or, when the group cannot go on
+        (:class:`GroupBrokenError`), halve this worker's micro-batch first under
+        ``accum.micro_batch=auto`` and say so, so that the restarted group starts from it."""
+        try:
+            self.strategy.check_oom(err, self.step, backward=backward, last=last)
+            local.ooms += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if self.micro.auto:  # its zero-weight pass, at the size that just failed, might not fit
+                self.strategy.dummy_batch = self.micro.smaller(self.strategy.dummy_batch)
+            _zero_weight(local, self.strategy.join_after_oom(self._forward(ctx), last, err, self.step))
+            self.optimizer.zero_grad(set_to_none=True)
+        except GroupBrokenError:
+            self.micro.before_restart(self.step)
+            raise
 
     def _reduce(self, local: LocalSums, grads: list[torch.Tensor]) -> tuple[Reduced, dict[str, torch.Tensor]]:
         """The step's one all-reduce and its one host read; the criterion's ``stats`` ride along
@@ -302,20 +301,23 @@ class Engine:
         if names:
             packed = torch.cat([packed, *(local.stats[k].to(self._cdev) for k in names)])
         collectives.all_reduce_sum(packed)
-        step_sync.require_group(self)  # a group torn down mid-step reduced nothing
+        self.strategy.require_group(self.step)  # a group torn down mid-step reduced nothing
         stats, at = {}, head
         for k in names:
             n = local.stats[k].numel()
             stats[k] = packed[at : at + n].to(self.device)
             at += n
         sums = packed[:head].tolist()
-        return Reduced.from_sums(sums, mean=self._mean, world=self.world_size, sharded=self.sharded), stats
+        reduced = Reduced.from_sums(sums, mean=self._mean, world=self.world_size, sharded=self.strategy.sharded)
+        return reduced, stats
 
     def _apply(self, reduced: Reduced, grads: list[torch.Tensor], ema_momentum: float) -> None:
         """Normalise, clip, freeze, step the optimizer and the loss scale, count, update the EMA."""
         if self._check_sync:
-            step_sync.check_grad_sync(list(reduced.norms), self.config.grad_sync.rtol, self.step)
-        self._clip_and_normalise(grads, reduced.grad_factor, reduced.grad_norm)
+            check_grad_sync(list(reduced.norms), self.config.grad_sync.rtol, self.step)
+        clip_and_normalise(
+            grads, reduced.grad_factor, reduced.grad_norm, self.config.clip, across_shards=self.strategy.shards_across_workers
+        )
         if self.epoch < self.config.freeze.last_layer_epochs:
             for p in self._frozen:
                 p.grad = None
@@ -323,26 +325,32 @@ class Engine:
         if self.scaler.is_enabled():
             self.scaler.update()
         self.step += 1
-        self.in_a_row = {"nonfinite": 0, "oom": 0}
+        self.skips.applied()
         if self.ema is not None and self.step % self.config.ema.every == 0:
             self.ema.update(ema_momentum)
 
-    # ------------------------------------------------------------------ pieces of the step
+    # ------------------------------------------------------------------ metrics
 
-    def _clip_and_normalise(self, grads: list[torch.Tensor], factor: float, grad_norm: float) -> None:
-        clip = self.config.clip
-        if clip.mode == "global":
-            factor *= min(1.0, clip.max_norm / (grad_norm + 1e-6))
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
-        if clip.mode == "per_param" and grads:
-            norms = torch._foreach_norm(grads)
-            if self.sharded and self.world_size > 1:
-                # A parameter's norm spans every worker's shard: one all-reduce of the squares.
-                squares = torch.stack(norms).double().square().to(self._cdev)
-                norms = list(collectives.all_reduce_sum(squares).sqrt().to(grads[0].device, grads[0].dtype).unbind())
-            coefs = [torch.clamp(clip.max_norm / (n + 1e-6), max=1.0) for n in norms]
-            torch._foreach_mul_(grads, coefs)
+    def reduce_metrics(self) -> dict[str, float]:
+        """The meters' means over all workers since the last call, plus the counters. Every worker
+        must call it at the same point (it runs collectives)."""
+        out = self.meters.reduce()
+        out.update(step=float(self.step), epoch=float(self.epoch))
+        out.update({k: float(v) for k, v in self.skips.counts.items()})
+        if self.scaler.is_enabled():
+            out["loss_scale"] = self.scaler.get_scale()
+        return out
+
+    def flush_epoch_metrics(self) -> None:
+        """Reduce the epoch's metric sums so far over all workers, so that the state dict holds
+        them for every worker (before a checkpoint). Every worker must call it at the same point."""
+        self.meters.flush_epoch_at(self.step)
+
+    def end_epoch_metrics(self) -> dict[str, float]:
+        """The epoch's weighted means over all workers (DINO's and DETR's global averages), and a
+        fresh epoch. Every worker must call it at the same point (one all-reduce)."""
+        self.meters.flushed_at = self.step
+        return self.meters.end_epoch()
 
     # ------------------------------------------------------------------ state
 
@@ -369,11 +377,11 @@ class Engine:
             "callbacks": dict(self.callback_state),
             "meters": self.meters.state_dict(),
             "rng": rng_state(),
-            **({"layout": "sharded"} if self.sharded else {}),
+            **({"layout": "sharded"} if self.strategy.sharded else {}),
         }
 
     def _model_optimizer_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        if not self.sharded:
+        if not self.strategy.sharded:
             return self.module.state_dict(), self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -411,13 +419,19 @@ class Engine:
             self.ema.load_state_dict(state["ema"])
         c = state["counters"]
         self.step, self.epoch = int(c["step"]), int(c["epoch"])
-        self.counts = {k: int(c[f"count_{k}"]) for k in self.counts}
-        self.micro.splits = int(c.get("micro_batch_splits", 1))  # 1 in checkpoints from before it
-        # Checkpoints written before these were saved resume with no skips in a row and no
-        # callback state.
-        self.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.in_a_row}
+        self.skips.counts = {k: int(c[f"count_{k}"]) for k in REASONS}
+        self.micro_batches = int(c["count_micro_batches"])
+        self.micro.splits = int(c.get("micro_batch_splits", 1))
+        self.skips.in_a_row = {k: int(c.get(f"in_a_row_{k}", 0)) for k in self.skips.in_a_row}
         self.callback_state = dict(state.get("callbacks") or {})
-        self.meters.load_state_dict(state.get("meters") or {})  # older checkpoints: a fresh epoch
+        self.meters.load_state_dict(state.get("meters") or {})
         self.meters.flushed_at = self.step
         if "rng" in state:  # absent when a group of another size resumes (each worker seeds its own)
             set_rng_state(state["rng"])
+
+
+def _zero_weight(local: LocalSums, stats: dict[str, torch.Tensor] | None) -> None:
+    """A zero-weight pass's ``stats`` (None: none ran), added so that the step's all-reduce has the
+    same layout on every worker."""
+    if stats is not None:
+        local.add_stats(stats, 0.0)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from raytrain_loops.config import ConfigError
 from raytrain_loops.data.formats.coco import decode_mask
 from raytrain_loops.data.formats.images import ConvertedSet, decode
 from raytrain_loops.data.parquet import ROW_SEED
@@ -59,7 +60,7 @@ class SeamsegCocoTask(SeamsegTask):
     """See the module docstring; ``size``: the shorter side, ``scale``: the training jitter's
     range of factors."""
 
-    def __init__(self, source: str = "", size: int = 64, scale: Sequence[float] = (0.75, 1.25), data: str = "coco", **params: Any):
+    def __init__(self, source: str = "", size: int = 64, scale: Sequence[float] = (0.75, 1.25), **params: Any):
         super().__init__(**params)
         self.images = ConvertedSet(source, "coco")
         self.size, self.scale = size, tuple(scale)
@@ -102,3 +103,11 @@ class SeamsegCocoTask(SeamsegTask):
 
     def eval_metrics(self) -> dict[str, Any]:
         return {"seg": SegmentationIoU(("background", *self.names())), "det": MeanAveragePrecision(len(self.names()))}
+
+
+def build_seamseg(data: str = "shapes", **params: Any) -> SeamsegTask:
+    """The built-in task ``seamseg``: on the generated shapes (:class:`SeamsegTask`), or with
+    ``data=coco`` on a converted COCO directory (:class:`SeamsegCocoTask`)."""
+    if data not in ("shapes", "coco"):
+        raise ConfigError("task.params.data", f"must be one of ['shapes', 'coco']; got {data!r}")
+    return SeamsegCocoTask(**params) if data == "coco" else SeamsegTask(**params)
