@@ -46,7 +46,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from raytrain_loops.data import patterns  # noqa: E402
 from raytrain_loops.data.parquet import (  # noqa: E402
     ROW_SEED,
     Reader,
@@ -60,6 +59,7 @@ from raytrain_loops.data.parquet import (  # noqa: E402
 from raytrain_loops.runtime.batches import read_and_preprocess  # noqa: E402
 from raytrain_loops.streams import close  # noqa: E402
 from raytrain_loops.tasks.base import Task  # noqa: E402
+from raytrain_loops.tasks.datasets import patterns  # noqa: E402
 from raytrain_loops.tasks.images import crops  # noqa: E402
 
 ROWS_PER_FILE, ROW_GROUP, SIDE, BATCH = 8192, 128, 64, 64

@@ -15,11 +15,11 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.data.shapes import CLASSES, ShapesSpec, decode_masks, write_shapes
 from raytrain_loops.engine import Engine, NonFiniteError
 from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
+from raytrain_loops.tasks.datasets.shapes import CLASSES, ShapesSpec, decode_masks, write_shapes
 from raytrain_loops.tasks.detection import MeanAveragePrecision, generalized_box_iou, hungarian_match
 from tests import fakes
 from tests.gloo import run_gloo

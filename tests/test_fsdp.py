@@ -660,7 +660,7 @@ def _tied_batches() -> list:
     """Two small batches of generated tokens for the tied model (one per worker)."""
     import numpy as np
 
-    from raytrain_loops.data.tokens import Language, rng_for
+    from raytrain_loops.tasks.datasets.tokens import Language, rng_for
     from raytrain_loops.tasks.lm import LMTask
 
     task = LMTask(**TIED)

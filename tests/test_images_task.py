@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrain_loops.data.parquet import ROW_SEED
-from raytrain_loops.data.patterns import CLASSES, ROW_GROUP_ROWS, PatternsSpec, write_patterns
+from raytrain_loops.tasks.datasets.patterns import CLASSES, ROW_GROUP_ROWS, PatternsSpec, write_patterns
 from raytrain_loops.tasks.images import CROP_MARGIN, ImagesTask, decode
 
 

@@ -25,7 +25,7 @@ FLOORS = [  # lowest first: a module imports from its own floor and the floors b
     f"{ROOT}.recipes",  # the built-in recipes
     f"{ROOT}.engine",  # the update, the loop, checkpoint files, torch.distributed
     f"{ROOT}.callbacks",  # the loop's callbacks
-    f"{ROOT}.data",  # Parquet plans, map-style batches, samplers, generated sets
+    f"{ROOT}.data",  # Parquet plans, map-style batches, samplers, converted image formats
     f"{ROOT}.tasks",  # what a recipe plugs in
     f"{ROOT}.rundir",  # the run directory: its layout, the stop board, the best checkpoints
     f"{ROOT}.runtime",  # one training process wired (a Ray worker's and local mode's), the batch source

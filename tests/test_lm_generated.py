@@ -89,7 +89,7 @@ def test_generated_tokens_are_the_same_for_a_seed_packed_under_the_budget_and_th
 
 def _conditional_entropy(language, previous: np.ndarray) -> np.ndarray:
     """H(next | previous) in bits for each position (a unigram draw after BOS)."""
-    from raytrain_loops.data.tokens import FOLLOW, SUCCESSORS
+    from raytrain_loops.tasks.datasets.tokens import FOLLOW, SUCCESSORS
 
     n = language.symbols
     table = np.tile((1 - FOLLOW) * language.unigram, (n, 1))

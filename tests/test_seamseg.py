@@ -19,13 +19,13 @@ from torch import nn
 from raytrain_loops import MapSplit, fit
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.data import MapBatches
-from raytrain_loops.data.shapes import ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.driver.preflight import planned_steps
 from raytrain_loops.engine import Engine, StepContext
 from raytrain_loops.engine.length import batches_per_epoch
 from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
+from raytrain_loops.tasks.datasets.shapes import ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.tasks.seamseg import IGNORE, TERMS, SeamsegTask, collate, detections, row_groups
 from tests import fakes
 from tests.gloo import run_gloo

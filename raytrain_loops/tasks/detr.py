@@ -1,4 +1,4 @@
-"""DETR set prediction on the generated ``shapes`` data (raytrain_loops/data/shapes.py).
+"""DETR set prediction on the generated ``shapes`` data (raytrain_loops/tasks/datasets/shapes.py).
 
 A small CNN backbone (stride 8), a Transformer encoder layer over its feature map with learned
 2-D position embeddings, and an ``nn.TransformerDecoder`` over ``num_queries`` learned queries;
@@ -35,10 +35,10 @@ from torch import nn
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.formats.images import ConvertedSet, coco_view, decode
 from raytrain_loops.data.parquet import ROW_SEED
-from raytrain_loops.data.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, write_shapes
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task, params_at_least
 from raytrain_loops.tasks.cvnets import load_backbone
+from raytrain_loops.tasks.datasets.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, write_shapes
 from raytrain_loops.tasks.detection import (
     MeanAveragePrecision,
     cxcywh_to_xyxy,

@@ -1,5 +1,5 @@
 """Image classification from encoded images streamed off disk: the ``patterns`` set
-(:mod:`raytrain_loops.data.patterns`, about 4.5 GB of PNG at its default size), decoded and
+(:mod:`raytrain_loops.tasks.datasets.patterns`, about 4.5 GB of PNG at its default size), decoded and
 augmented in :meth:`ImagesTask.preprocess` by Ray tasks on the cluster's CPUs, a small
 residual CNN on the workers (cvnets-style: BatchNorm, AdamW, cosine lr with warm-up).
 
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.data.parquet import ROW_SEED
-from raytrain_loops.data.patterns import CLASSES, PatternsSpec, write_patterns
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import ParquetSplit, Task
+from raytrain_loops.tasks.datasets.patterns import CLASSES, PatternsSpec, write_patterns
 
 MEAN, STD = 127.5, 64.0
 CROP_MARGIN = 8

@@ -12,7 +12,7 @@ micro-batch of variable shape. The criterion is a sum over target tokens with
 ``sample_size`` = the number of target tokens, for ``loss.reduction=sum``.
 
 ``data=generated``: ``tokens`` training tokens (and ``val_percent`` percent as many for
-validation) of the seeded language of :mod:`raytrain_loops.data.tokens` over ``vocab - 1`` ids,
+validation) of the seeded language of :mod:`raytrain_loops.tasks.datasets.tokens` over ``vocab - 1`` ids,
 id ``vocab - 1`` being BOS, in sequences of 1 to ``max_len`` tokens packed and stored as above,
 each token as a little-endian uint16 (int32 when ``vocab`` exceeds 65536). The embedding and
 the head are one tied ``vocab`` x ``dim`` matrix, as in GPT-2.
@@ -36,10 +36,10 @@ from torch import nn
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.packing import PACKINGS, ROW_END, collate_rows, pack, pack_rows
-from raytrain_loops.data.tokens import Language, rng_for
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.engine.update.micro import split_batch
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
+from raytrain_loops.tasks.datasets.tokens import Language, rng_for
 from raytrain_loops.tasks.gpt import GPT
 
 COLUMNS = ["tokens", "lengths"]

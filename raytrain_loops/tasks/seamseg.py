@@ -1,8 +1,8 @@
 """Seamseg-style multi-head training on the generated ``shapes`` data, whose images come in two
-or more aspect ratios (``widths``; raytrain_loops/data/shapes.py).
+or more aspect ratios (``widths``; raytrain_loops/tasks/datasets/shapes.py).
 
 A small encoder-decoder (stride 16 at the bottom, skips at strides 8, 4 and 2) with three heads:
-semantic segmentation (background and every class of :data:`~raytrain_loops.data.shapes.CLASSES`,
+semantic segmentation (background and every class of :data:`~raytrain_loops.tasks.datasets.shapes.CLASSES`,
 predicted at stride 2 and upsampled), and a one-stage, class-agnostic detector at stride 4: an
 objectness heatmap with a peak at each object's centre cell, and the box as its distances to the
 four sides from that cell's centre. The named loss terms, in this order:
@@ -51,9 +51,9 @@ from torchmetrics.classification import MulticlassJaccardIndex
 
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.samplers import GroupedBatchSampler
-from raytrain_loops.data.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.tasks.base import EvalOutput, MapSplit, Task, params_at_least
+from raytrain_loops.tasks.datasets.shapes import CLASSES, COLUMNS, ShapesSpec, decode_image, decode_masks, write_shapes
 from raytrain_loops.tasks.detection import MeanAveragePrecision
 
 TERMS = ("obj", "bbx", "sem")

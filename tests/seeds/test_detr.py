@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from raytrain_loops.config import load_config
-from raytrain_loops.data.shapes import CLASSES
 from raytrain_loops.engine import schedule_value
 from raytrain_loops.recipes import resolve
+from raytrain_loops.tasks.datasets.shapes import CLASSES
 from raytrain_loops.tasks.detr import DetrTask
 from tests.seeds.recipe_run import GroupValues, largest_difference, one_thread, run_loop, task_engine
 
