@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # Set up (virtual environment + install), check with ruff, and run the test suite.
 #
-# With arguments, they go to one pytest run. Without, the suite runs as two pytest processes side
-# by side: the tests marked `ray` (they spend most of their time waiting on Ray's start-up and its
-# controller's polls) and the others (CPU-bound: gloo process groups, the engine). The Ray part is the
-# longer one and waits on chains of process starts: the others run at the lowest priority (nice 19),
-# in the CPU time it leaves (about as much as they take: at nice 10 they still took CPU from the Ray
-# part's bursts). Except the few marked `deadline`: they assert on wall-clock time (a group that
-# ends together, a request that times out in seconds, rates timed on two workers), which a process
-# at nice 19 beside the Ray part's bursts can miss while it waits for a CPU (two 1 s timeouts took
-# 6.7 s on CI). They run first, at normal priority, while the Ray part starts (its tests with the
-# tightest bounds, the preemption's among them, come last). The Ray part's output follows the
-# others'; the exit status is non-zero if any part failed.
+# With arguments, they go to one pytest run. Without, two pytest processes run side by side: the
+# tests marked `ray` (mostly waiting on Ray), and the others at nice 19 in the CPU time left, except
+# those marked `deadline` (wall-clock bounds), which run first at normal priority. Why this split:
+# docs/benchmarks.md, "The test suite". The exit status is non-zero if any part failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

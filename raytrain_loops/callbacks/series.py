@@ -1,10 +1,11 @@
-"""Which of the loop's metrics are series of their own in TensorBoard and MLflow, under one name
-each, the name the console, the JSON lines and the reports use: an interval's ``loss``, an
-evaluation's ``eval_accuracy``, an epoch's average ``train_loss``. Every series is plotted
-against the step, so the loop's position (``step``, ``epoch``) is none. What the steps cost and
-how fast they went (throughput, memory, step times) and each worker's own values
-(``<name>/rank<r>``) are series only with ``logging.system_series``: for a small model they are
-most of the plots; the progress line shows them either way."""
+"""Which of the loop's metrics are series of their own in TensorBoard and MLflow, under one name each,
+the name the console, the JSON lines and the reports use: an interval's ``loss``, an evaluation's
+``eval_accuracy``, an epoch's average ``train_loss``. Every series is plotted against the step, so
+the loop's position (``step``, ``epoch``) is none.
+
+What the steps cost and how fast they went (throughput, memory, step times) and each worker's own
+values (``<name>/rank<r>``) are series only with ``logging.system_series``: for a small model they
+are most of the plots; the progress line shows them either way."""
 
 from __future__ import annotations
 

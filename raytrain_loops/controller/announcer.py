@@ -1,7 +1,8 @@
-"""``Announcer``, a Ray Train controller callback; runs in the Train controller's process. It sends
-the console one line for each checkpoint Ray registered and for each worker failure, saying
-whether the run restarts. A worker's death (killed, crashed, out of memory, its node gone) is one
-short line (:mod:`raytrain_loops.console.deaths`), with Ray's text of it sent along for ``ray.log``.
+"""``Announcer``, a Ray Train controller callback; runs in the Train controller's process. It sends the
+console one line for each checkpoint Ray registered and for each worker failure, saying whether the
+run restarts. A worker's death (killed, crashed, out of memory, its node gone) is one short line
+(:mod:`raytrain_loops.console.deaths`), with Ray's text of it sent along for ``ray.log``.
+
 A worker lost to a preemption (its node reclaimed after a drain) is retried by Ray apart from
 ``run.max_failures`` (``run.max_preemptions``), and said so.
 """

@@ -1,7 +1,6 @@
 """A Parquet split's size in memory, read from its files' footers: what ``data.materialize=auto``
 decides on. The files' size is no measure of it: a compressed column is larger decoded, and a
-dictionary- or run-length-encoded one many times larger (a column of three labels: 1.6 KB on
-disk, 1.4 MB as a table)."""
+dictionary- or run-length-encoded one (a column of a few labels) many times larger."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Packed language-model batches, one Parquet row each. ``variable``: sequences of similar length
-in a batch of at most ``max_tokens`` padded tokens, its shape set by its longest (:func:`pack`,
-fairseq's ``batch_by_size``). ``fixed``: whole sequences end to end in rows of ``max_len`` tokens,
-``max_tokens // max_len`` rows a batch, so that every batch has the one shape
-``(max_tokens // max_len, max_len)`` and a compiled step builds its graphs once
+"""Packed language-model batches, one Parquet row each.
+
+``variable``: sequences of similar length in a batch of at most ``max_tokens`` padded tokens, its
+shape set by its longest (:func:`pack`, fairseq's ``batch_by_size``). ``fixed``: whole sequences end
+to end in rows of ``max_len`` tokens, ``max_tokens // max_len`` rows a batch, so that every batch
+has the one shape ``(max_tokens // max_len, max_len)`` and a compiled step builds its graphs once
 (:func:`pack_rows`, :func:`collate_rows`); attention is kept inside each sequence by a mask."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The cluster's checks on the driver, once Ray is up and before the trainer starts: every alive
-node that can host work opens what it will read (:mod:`raytrain_loops.data.reach`, in a Ray task
-pinned to the node, all of them bounded by ``PROBE_TIMEOUT_S``), and a preprocessing task fits
-somewhere: its CPUs beside the training workers, its GPUs and custom resources on one node (its
-tasks would otherwise wait until a worker's ``data.preprocess.timeout_s``). Each worker checks its
-own node again at every attempt (``worker/train.py``): a cluster that scales from zero adds its
-nodes then.
+"""The cluster's checks on the driver, once Ray is up and before the trainer starts: every alive node
+that can host work opens what it will read (:mod:`raytrain_loops.data.reach`, in a Ray task pinned
+to the node, all of them bounded by ``PROBE_TIMEOUT_S``), and a preprocessing task fits somewhere:
+its CPUs beside the training workers, its GPUs and custom resources on one node (its tasks would
+otherwise wait until a worker's ``data.preprocess.timeout_s``).
+
+Each worker checks its own node again at every attempt (``worker/train.py``): a cluster that scales
+from zero adds its nodes then.
 """
 
 from __future__ import annotations

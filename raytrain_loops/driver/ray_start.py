@@ -53,12 +53,11 @@ def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # Ray starts its workers at nice 15, below its own services. On a machine that this run has
     # to itself, the training workers are the work: at nice 15 every wake-up of a Ray service
-    # preempts them (measured: ~190 preemptions/s of the training thread, steps ~5% slower).
+    # preempts them (docs/benchmarks.md, "Ray's overhead and local mode").
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Ray Train's controller takes one report per poll of its workers, every 2 s by default; a run
     # that reports more often than that (every epoch of a small recipe) ends waiting for the
-    # backlog. Polled every 0.5 s, the default recipe's last step is followed by its summary in
-    # 1-2 s, not 22 s (the whole command: 70.2 s instead of 92.7 s, medians of 3 runs).
+    # backlog (docs/benchmarks.md, "The default recipe").
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # The raylet deletes the objects nobody holds any more in batches, once a second by default:
     # blocks a training worker has read then wait up to a second in the object store, beside the

@@ -1,9 +1,10 @@
-"""The driver's hold on a run directory, before Ray starts: one driver at a time (a lock file in
-the store), a rerun's config compared with the one the run was started with, the task's
-artefacts (a tokenizer, a model's configuration, a digest of the prepared data) pinned at the
-first start and compared at every resume, and the task's model (its class, its parameters' and buffers' names and shapes)
-recorded at the first start and compared at every rerun, and a finished run recognised so that
-running it again trains nothing."""
+"""The driver's hold on a run directory, before Ray starts: one driver at a time (a lock file in the
+store) and a finished run recognised, so that running it again trains nothing.
+
+A rerun's config is compared with the one the run was started with; the task's artefacts (a
+tokenizer, a model's configuration, a digest of the prepared data) are pinned at the first start and
+compared at every resume, and the task's model (its class, its parameters' and buffers' names and
+shapes) recorded at the first start and compared at every rerun."""
 
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def _parquet_identity(index: Any) -> dict[str, Any]:
 
 
 def _data_changes(before: Any, now: Any) -> dict[str, tuple[Any, Any]]:
-    if before is None or before == now:  # nothing pinned before (a run from before the default): pinned now
+    if before is None or before == now:  # nothing pinned in the run directory yet: pinned now
         return {}
     if not (isinstance(before, dict) and isinstance(now, dict)):
         short = [v[:12] if isinstance(v, str) else v for v in (before, now)]

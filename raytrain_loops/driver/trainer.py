@@ -23,7 +23,7 @@ class Trainer(TorchTrainer):
     """Ray Train's ``TorchTrainer`` without its Ray Data actor when no split is a Ray Dataset. The
     workers read their rows themselves (:mod:`raytrain_loops.worker.batches`) and no Ray Dataset is passed, yet Ray Train
     starts a ``DatasetManager`` actor for every run: one more process, which imports Ray Data
-    while the workers start (about 2.5 s of CPU here, on the cores the workers start on). Where a
+    while the workers start, on the cores they start on. Where a
     Ray version has no such callback (:func:`raytrain_loops.ray_private.datasets_callback`),
     every callback is kept."""
 

@@ -1,9 +1,11 @@
-"""A checkpoint evaluated again, without Ray: one process of a group (a Ray worker, or the only
-one in local mode) builds the run's model as training did, loads the checkpoint's model and EMA
-weights (every worker together, as a resumed group does: the same checks, no code unpickled),
-makes the workers' buffers the same as the loop does before an evaluation, and evaluates the eval
-split through the loop's own :func:`~raytrain_loops.engine.loop.evaluate`. The run's directory is
-only read (by the driver: ``config.yaml``, ``precision.json``): nothing is written there.
+"""A checkpoint evaluated again, without Ray: one process of a group (a Ray worker, or the only one in
+local mode) builds the run's model as training did, loads the checkpoint's model and EMA weights
+(every worker together, as a resumed group does: the same checks, no code unpickled), makes the
+workers' buffers the same as the loop does before an evaluation, and evaluates the eval split
+through the loop's own :func:`~raytrain_loops.engine.loop.evaluate`.
+
+The run's directory is only read (by the driver: ``config.yaml``, ``precision.json``): nothing is
+written there.
 """
 
 from __future__ import annotations

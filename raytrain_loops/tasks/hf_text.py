@@ -1,7 +1,8 @@
-"""Text for the ``hf_lm`` task, without a network: documents from JSONL or Parquet files (or the
-Python standard library's source), a byte-level BPE trained on them with Hugging Face
-``tokenizers`` (cached by its inputs), and the one-off packing of the documents into rows of
-text that each tokenize to one training sequence (written to Parquet, cached by its inputs).
+"""Text for the ``hf_lm`` task, without a network: documents from JSONL or Parquet files (or the Python
+standard library's source), a byte-level BPE trained on them with Hugging Face ``tokenizers``
+(cached by its inputs), and the one-off packing of the documents into rows of text that each
+tokenize to one training sequence (written to Parquet, cached by its inputs).
+
 The rows are tokenized again in ``Task.preprocess``, in preprocessing tasks. A tokenizer and a
 model's configuration and weights travel as their files' contents (``{name: bytes}``), never as a
 directory on the driver: :func:`tokenizer_from` and :func:`model_from` load them anywhere.

@@ -1,9 +1,9 @@
 """What Ray Train runs on every worker: the loop wired as in any process
 (:func:`raytrain_loops.runtime.wiring.wire`) with its Ray parts: the model under DDP (Ray's
-``prepare_model``) or FSDP2, this worker's batches (:func:`~raytrain_loops.worker.batches.ray_batches`),
-a reporter that writes checkpoint files and calls ``ray.train.report``
-(:class:`~raytrain_loops.worker.reporter.RayReporter`), and the stops a retry cannot fix. See
-docs/architecture.md for the whole path.
+``prepare_model``) or FSDP2, this worker's batches (``worker/batches.py``), a reporter that writes
+checkpoint files and calls ``ray.train.report``, and the stops a retry cannot fix.
+
+See docs/architecture.md for the whole path.
 """
 
 from __future__ import annotations

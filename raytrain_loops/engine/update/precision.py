@@ -22,9 +22,8 @@ from raytrain_loops.engine.distributed import collectives
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RESOLVED = ("fp32", "bf16", "fp16")  # what ``auto`` becomes: the order is the code broadcast by decide()
 
-# What bf16 costs where it is emulated: scripts/bench_step.py's MLP step on an AVX2 CPU without
-# native bf16 (AMD EPYC, 2 cores) took 408 ms in bf16 against 22.7 ms in fp32; the lm recipe's
-# update 6.5 s against 0.74-0.92 s.
+# What bf16 costs where it is emulated, as the warning says it (docs/benchmarks.md, "The engine's
+# step": scripts/bench_step.py on a CPU without native bf16).
 EMULATED_SLOWDOWN = "7-18x slower than fp32 as measured on AVX2 CPUs"
 
 

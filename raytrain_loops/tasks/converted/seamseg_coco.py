@@ -1,11 +1,12 @@
 """seamseg on a converted COCO directory (``task.params.data=coco``, the set at
-``task.params.source``), read through the Parquet plan: each image decoded in ``preprocess``,
-its semantic map drawn from its annotations' masks (``1 + category index`` on an object,
-:data:`~raytrain_loops.tasks.seamseg.IGNORE` on a crowd, as seamseg's COCO conversion marks
-crowds void), and seamseg's scale jitter for training: the shorter side resized to ``size`` times
-a factor drawn in ``scale``, and a horizontal flip (evaluation: the shorter side at ``size``).
-Both sides are rounded to a multiple of :data:`NET_STRIDE`, the network's stride; a batch is
-padded to its largest image, the padding counted in no loss or metric."""
+``task.params.source``), read through the Parquet plan.
+
+Each image decoded in ``preprocess``, its semantic map drawn from its annotations' masks (``1 +
+category index`` on an object, :data:`~raytrain_loops.tasks.seamseg.IGNORE` on a crowd, as seamseg's
+COCO conversion marks crowds void), and seamseg's scale jitter for training: the shorter side
+resized to ``size`` times a factor drawn in ``scale``, and a horizontal flip (evaluation: the
+shorter side at ``size``). Both sides are rounded to a multiple of :data:`NET_STRIDE`, the network's
+stride; a batch is padded to its largest image, the padding counted in no loss or metric."""
 
 from __future__ import annotations
 
