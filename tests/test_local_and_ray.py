@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain_loops import fit
-from raytrain_loops.engine.checkpoint import files as ckpt
+from raytrain_loops.checkpoint import files as ckpt
 from tests.recording import counted_batches, restored
 
 pytestmark = pytest.mark.ray
