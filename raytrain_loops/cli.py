@@ -151,9 +151,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, argv: list[str]) -> int:
+    from raytrain_loops.checkpoint import CheckpointError, export, exported_checkpoint
     from raytrain_loops.config import ConfigError
-    from raytrain_loops.engine.checkpoint.files import CheckpointError, export
-    from raytrain_loops.rundir.layout import exported_checkpoint
 
     try:
         checkpoint, why = exported_checkpoint(args.checkpoint, args.checkpoint_choice)
@@ -179,10 +178,10 @@ def _evaluate(args: argparse.Namespace, argv: list[str]) -> int:
     intact checkpoint, or a bad override, is exit code 2 naming it."""
     import json
 
+    from raytrain_loops.checkpoint import CheckpointError
     from raytrain_loops.config import ConfigError
     from raytrain_loops.driver.evaluate import EvaluateError, evaluate_checkpoint
     from raytrain_loops.driver.preflight import DataError
-    from raytrain_loops.engine.checkpoint.files import CheckpointError
 
     try:
         metrics = evaluate_checkpoint(args.checkpoint, args.overrides)

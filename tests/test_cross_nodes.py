@@ -22,8 +22,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.data.formats import identity
-from raytrain_loops.engine.checkpoint import files as ckpt
 from tests.test_hf_lm import _corpus
 from tests.vision_data import write_coco
 

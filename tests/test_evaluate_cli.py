@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.cli import main
-from raytrain_loops.engine.checkpoint import files as ckpt
 
 
 def _checkpoint(run: Path, config: dict | None = None) -> Path:

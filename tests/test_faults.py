@@ -13,8 +13,8 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.callbacks import throughput
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.driver.tracking import RUN_ID_FILE
-from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.errors import TrainingStopped
 from raytrain_loops.recipes import resolve
 from tests.recording import batch_processes, counted_batches, restored

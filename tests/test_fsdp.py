@@ -179,7 +179,7 @@ def test_fsdp_fp16_overflow_in_one_workers_shard_backs_off_every_workers_scale_a
 
 def _save_and_go_on(rank: int, world: int, directory: str):
     """Two steps, a sharded checkpoint, two more steps: the weights at the checkpoint and after."""
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     engine = _engine("fsdp", [])
     for step in range(2):
@@ -193,7 +193,7 @@ def _save_and_go_on(rank: int, world: int, directory: str):
 
 
 def _resume(rank: int, world: int, directory: str):
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     assert ckpt.verify(directory) == 2
     engine = _engine("fsdp", [])
@@ -208,7 +208,7 @@ def _resume(rank: int, world: int, directory: str):
 
 
 def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_path):
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     directory = str(tmp_path / "checkpoint_00000002")
     first = run_gloo(2, _save_and_go_on, directory)
@@ -245,7 +245,7 @@ def test_fsdp_checkpoint_resumes_exactly_on_two_workers_and_loads_on_one(tmp_pat
 
 def _save(engine: Engine, run: str, rank: int, world: int) -> None:
     """This worker's part of a checkpoint of ``engine`` (sharded or plain), as the reporter writes it."""
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     state = engine.state_dict()
     files = {ckpt.rank_file(rank): {"rng": state.pop("rng"), "data": {"epoch": 0, "batches": engine.step}}}
@@ -257,8 +257,8 @@ def _save(engine: Engine, run: str, rank: int, world: int) -> None:
 
 
 def _restore(engine: Engine, run: str, rank: int, world: int):
-    from raytrain_loops.runtime.restore import candidates
-    from raytrain_loops.worker.reporter import RayReporter
+    from raytrain_loops.checkpoint.ray_reporter import RayReporter
+    from raytrain_loops.checkpoint.restore import candidates
 
     reporter = RayReporter(engine, rank, world, run)
     position = reporter.restore_from(candidates(run, None))
@@ -270,7 +270,7 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
     pickle that would run code (its manifest rewritten to match): only rank 1 reads it."""
     from pathlib import Path
 
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
     from tests.test_checkpoint import _Exploit
     from tests.test_restore import rewritten
 
@@ -350,7 +350,7 @@ def _write_where_one_worker_cannot(rank: int, world: int, root: str):
     the shards' directory goes."""
     from pathlib import Path
 
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     engine = _engine("fsdp", [])
     directory = Path(root) / f"worker{rank}"
@@ -420,10 +420,10 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     import pyarrow.parquet as pq
 
     from raytrain_loops import fit
+    from raytrain_loops.checkpoint import files as ckpt
     from raytrain_loops.cli import main
     from raytrain_loops.config import load_config
     from raytrain_loops.data.parquet import index_split
-    from raytrain_loops.engine.checkpoint import files as ckpt
     from raytrain_loops.recipes import resolve
     from raytrain_loops.tasks.lm import LMTask
     from tests.test_lm import _trained_rows
@@ -689,7 +689,7 @@ def _tied_engine(sharded: bool) -> Engine:
 
 def _tied_fsdp(rank: int, world: int, directory: str, batches: list):
     """Two FSDP steps of the tied model (a batch per worker), then a sharded checkpoint."""
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     engine = _tied_engine(sharded=True)
     for _ in range(2):
@@ -701,7 +701,7 @@ def _tied_fsdp(rank: int, world: int, directory: str, batches: list):
 
 
 def test_a_tied_embedding_and_head_stay_one_matrix_under_fsdp_and_through_a_sharded_checkpoint(tmp_path):
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     batches = _tied_batches()
     directory = str(tmp_path / "checkpoint_00000002")

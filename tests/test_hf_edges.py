@@ -290,7 +290,7 @@ def test_auto_micro_batching_after_an_oom_gives_the_weights_of_a_run_at_the_smal
     halves its 8-row batches, each half counting its own target tokens and bytes, and the run
     ends with the weights of a run of 4-row micro-batches, two per update, from the start (the
     same rows in each update; GPT-2's dropout draws the same masks)."""
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     def run(name: str, **sections) -> tuple:
         config = _config(tmp_path, name, text=corpus, model=TINY_GPT2)

@@ -141,7 +141,7 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     assert "wrote" in cli.stdout and (out / "model.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
     from raytrain_loops.tasks.hf_lm import HFLMTask
 
     ours = HFLMTask(model=TINY_GPT2, text=corpus, text_key="body", max_len=32)
@@ -282,7 +282,7 @@ def test_the_found_blocks_compile_regionally_with_the_same_names_loss_and_gradie
 
 
 def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_path, corpus):
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     whole = fit(_config(tmp_path, "whole", model=TINY_LLAMA, text=corpus))
     cut = _config(tmp_path, "cut", model=TINY_LLAMA, text=corpus)
@@ -367,8 +367,8 @@ def test_artefacts_are_pinned_in_a_run_directory_on_a_bucket_and_a_changed_one_i
     s3_root,  # noqa: F811  (the fixture imported above)
 ):
     from raytrain_loops import storage
+    from raytrain_loops.checkpoint.files import CheckpointError
     from raytrain_loops.driver.run_dir import pin_artefacts, read_pinned
-    from raytrain_loops.engine.checkpoint.files import CheckpointError
 
     run = storage.join(s3_root, "run")
     first = {"tokenizer/tokenizer.json": b"A", "model/config.json": b"{}"}
@@ -409,7 +409,7 @@ def test_a_resume_with_a_new_tokenizer_or_data_is_refused_unless_allowed_and_a_c
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
     from raytrain_loops.tasks.hf_lm import HFLMTask
 
     text = tmp_path / "text" / "a.jsonl"

@@ -89,8 +89,8 @@ def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoin
 def _export_takes_a_run_directory_its_best_and_the_ema(run: Path, best: str, capsys) -> None:
     """``export RUN_DIR``: the newest intact checkpoint (a damaged newer one passed over, named);
     ``--checkpoint best``: best/'s first; ``--ema``: the EMA's weights as ``model``."""
+    from raytrain_loops.checkpoint import files as ckpt
     from raytrain_loops.cli import main
-    from raytrain_loops.engine.checkpoint import files as ckpt
 
     def exported(*args: str) -> tuple[dict, str]:
         out = run.parent / "exported.pt"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain_loops import fit
-from raytrain_loops.engine.checkpoint import files as ckpt
+from raytrain_loops.checkpoint import files as ckpt
 from tests.recording import counted_batches, restored
 
 pytestmark = pytest.mark.ray
@@ -84,3 +84,6 @@ def test_a_local_run_continues_on_ray_and_the_ray_run_locally_with_an_uninterrup
     evaluations = (run_dir / "eval.jsonl").read_text()
     assert [json.loads(line)["step"] for line in evaluations.splitlines()] == [42, 84]
     assert evaluations == (tmp_path / "runs" / "whole" / "eval.jsonl").read_text()
+    # The Ray attempt's checkpoint records where its rows were preprocessed (Ray tasks, on its node).
+    record = ckpt.read_file(run_dir / "checkpoint_00000063", ckpt.rank_file(0))
+    assert set(record["preprocessed_on"]) == {record["node_id"]} and sum(record["preprocessed_on"].values()) > 0, record

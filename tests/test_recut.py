@@ -18,16 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 from torch.utils.data import Dataset
 
+from raytrain_loops.checkpoint import files as ckpt
+from raytrain_loops.checkpoint.reporter import CheckpointReporter
+from raytrain_loops.checkpoint.restore import candidates
 from raytrain_loops.config import load_config
 from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
 from raytrain_loops.data.recut import Deal, recut_plan, resume_point
 from raytrain_loops.data.samplers import GroupedBatchSampler
-from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
-from raytrain_loops.runtime.reporter import CheckpointReporter
-from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
 
 ROWS, BATCH, EPOCH = 10_240, 32, 1

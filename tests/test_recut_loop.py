@@ -18,15 +18,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_loops import fit
+from raytrain_loops.checkpoint import files as ckpt
+from raytrain_loops.checkpoint.reporter import CheckpointReporter
+from raytrain_loops.checkpoint.restore import candidates
 from raytrain_loops.config import load_config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.driver.preflight import prepare
-from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Callback
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
-from raytrain_loops.runtime.reporter import CheckpointReporter
-from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from tests.gloo import run_gloo
 from tests.recording import counted_batches

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from raytrain_loops.callbacks.run_log import RunLog, kept_files
+from raytrain_loops.checkpoint import files as ckpt
+from raytrain_loops.checkpoint.ray_reporter import RayReporter
+from raytrain_loops.checkpoint.restore import candidates
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.checkpoint import files as ckpt
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.runtime.restore import candidates
-from raytrain_loops.worker.reporter import RayReporter
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars
@@ -192,7 +192,7 @@ def test_a_worker_whose_listing_lags_restores_the_newest_checkpoint_with_the_oth
 
 
 def _agree(rank: int, world: int, loaded: list[dict]) -> None:
-    from raytrain_loops.runtime.restore import agree
+    from raytrain_loops.checkpoint.restore import agree
 
     agree(loaded[rank], rank)
 
@@ -294,7 +294,7 @@ def test_a_crafted_non_tensor_item_in_dcp_shards_runs_nothing_and_the_restore_ta
 
 
 def test_a_sharded_load_that_failed_after_writing_into_the_model_does_not_start_from_the_beginning(tmp_path):
-    from raytrain_loops.engine.checkpoint import dcp_io
+    from raytrain_loops.checkpoint import dcp_io
 
     run = tmp_path / "run"
     d = _write_sharded(run, 12, seed=2)

@@ -14,10 +14,10 @@ from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import Check
 from ray.train.v2._internal.execution.storage import StorageContext
 from ray.train.v2._internal.execution.training_report import _TrainingReport
 
+from raytrain_loops.checkpoint import files as ckpt
+from raytrain_loops.checkpoint.ray_keep_best import KeepBest
 from raytrain_loops.config import load_config
-from raytrain_loops.controller.keep_best import KeepBest
 from raytrain_loops.driver.trainer import run_config
-from raytrain_loops.engine.checkpoint import files as ckpt
 
 # (step, the metric in that report or None): the first report comes before any evaluation.
 REPORTS = [(6, None), (12, 0.5), (18, 0.7), (24, 0.6), (30, 0.8), (36, None)]

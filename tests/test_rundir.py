@@ -18,10 +18,10 @@ import yaml
 
 from examples.custom_task import CONFIG, SpiralTask
 from raytrain_loops import ConfigError, fit
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.config import load_config
 from raytrain_loops.driver import fit as fit_module
 from raytrain_loops.driver.run_dir import RunLock, RunLocked
-from raytrain_loops.engine.checkpoint import files as ckpt
 
 
 class RayWouldStart(Exception):

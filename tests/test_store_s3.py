@@ -20,8 +20,8 @@ import yaml
 
 from raytrain_loops import storage
 from raytrain_loops.callbacks.run_log import RunLog
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.driver.run_dir import RunLock, RunLocked
-from raytrain_loops.engine.checkpoint import files as ckpt
 from tests.runfiles import tb_scalars
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from raytrain_loops import storage
-from raytrain_loops.engine.checkpoint import files as ckpt
+from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.tasks.digits import DigitsTask
 from tests.multinode import SECOND_NODE_ENV, Cluster, http_get
 

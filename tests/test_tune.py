@@ -88,7 +88,7 @@ TINY = ["schedules.lr.warmup_steps=0", "logging.every_steps=5"]
 @pytest.mark.ray
 def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     from raytrain_loops import tune
-    from raytrain_loops.engine.checkpoint import files as ckpt
+    from raytrain_loops.checkpoint import files as ckpt
 
     sweep = _sweep(
         tmp_path,

@@ -104,8 +104,7 @@ def test_dino_trains_on_a_converted_imagefolder_and_its_teacher_is_a_backbone_fo
     assert evals[-1]["step"] == 4 and 0.0 <= evals[-1]["eval_ema_knn_accuracy"] <= 1.0, evals
 
     # DINO's workflow: the run's exported teacher is the backbone a classifier fine-tunes.
-    from raytrain_loops.engine.checkpoint.files import export
-    from raytrain_loops.rundir.layout import checkpoint_dirs
+    from raytrain_loops.checkpoint import checkpoint_dirs, export
 
     teacher = export(checkpoint_dirs(str(run_dir))[-1], tmp_path / "teacher.pt", ema=True)["model"]
     params = {"data": "imagefolder", "source": folder, "size": SIZE, "backbone_weights": str(tmp_path / "teacher.pt")}

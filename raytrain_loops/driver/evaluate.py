@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import CheckpointError, check_sharded, is_sharded, manifest_name, verify
 from raytrain_loops.config import Config, load_config
 from raytrain_loops.driver.preflight import DataError, prepare
-from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.update import precision
 from raytrain_loops.rundir.layout import PRECISION_FILE
 from raytrain_loops.runtime.wiring import WorkerPayload
@@ -43,21 +43,21 @@ def checked_checkpoint(path: str) -> str:
     checksums, a sharded one's metadata; one in an object store is checked by the workers that
     read it). Raises :class:`EvaluateError` naming it."""
     if storage.is_uri(path):
-        if not storage.exists(storage.join(path, ckpt_files.manifest_name(0))):
-            raise EvaluateError(f"{path} is not a checkpoint: it holds no {ckpt_files.manifest_name(0)}")
+        if not storage.exists(storage.join(path, manifest_name(0))):
+            raise EvaluateError(f"{path} is not a checkpoint: it holds no {manifest_name(0)}")
         return path.rstrip("/")
     local = Path(path).expanduser().resolve()
     if not local.is_dir():
         raise EvaluateError(f"{path} is not a checkpoint: no such directory")
-    if not (local / ckpt_files.manifest_name(0)).is_file():
+    if not (local / manifest_name(0)).is_file():
         raise EvaluateError(
-            f"{path} is not a checkpoint: it holds no {ckpt_files.manifest_name(0)} (a run's checkpoint_<step>)"
+            f"{path} is not a checkpoint: it holds no {manifest_name(0)} (a run's checkpoint_<step>)"
         )
     try:
-        ckpt_files.verify(local)
-        if ckpt_files.is_sharded(local):
-            ckpt_files.check_sharded(local)
-    except ckpt_files.CheckpointError as err:
+        verify(local)
+        if is_sharded(local):
+            check_sharded(local)
+    except CheckpointError as err:
         raise EvaluateError(f"{path} is damaged: {err}") from None
     return str(local)
 

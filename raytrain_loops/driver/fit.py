@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import last_checkpoint
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, warn_emulated_bf16
 from raytrain_loops.driver.ray_start import ensure_ray
@@ -34,8 +35,7 @@ from raytrain_loops.driver.run_dir import (
     unfinish,
 )
 from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
-from raytrain_loops.engine.checkpoint import files as ckpt_files
-from raytrain_loops.rundir.layout import PRECISION_FILE, SUMMARY, checkpoint_dirs
+from raytrain_loops.rundir.layout import PRECISION_FILE, SUMMARY
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
 from raytrain_loops.tasks import Task
 
@@ -82,21 +82,6 @@ def _signals_seen() -> Iterator[set[int] | None]:
             seen.update(os.read(read, 4096))
         os.close(read)
         os.close(write)
-
-
-def last_checkpoint(run_dir: str) -> str | None:
-    """The run's newest checkpoint whose workers all wrote their manifests (their files are
-    verified when a run resumes from it); None when there is none."""
-    for path in reversed(checkpoint_dirs(run_dir)):
-        try:
-            world = int(
-                json.loads(storage.read_text(storage.join(path, ckpt_files.manifest_name(0))) or "{}")["world_size"]
-            )
-        except (ValueError, KeyError, TypeError):
-            continue
-        if all(storage.exists(storage.join(path, ckpt_files.manifest_name(rank))) for rank in range(1, world)):
-            return path
-    return None
 
 
 @dataclass

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import CheckpointError, checkpoint_dirs, step_of, verify
 from raytrain_loops.config import Config, ConfigError
-from raytrain_loops.engine.checkpoint import files as ckpt_files
-from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE, CHANGES, LOCK, MODEL_FILE, SUMMARY, checkpoint_dirs
+from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE, CHANGES, LOCK, MODEL_FILE, SUMMARY
 
 if TYPE_CHECKING:
     from torch import nn
@@ -321,7 +321,7 @@ def read_pinned(run_dir: str, prefix: str) -> dict[str, bytes]:
             continue
         data = storage.read_bytes(storage.join(run_dir, ARTEFACTS, *name.split("/")))
         if data is None or hashlib.sha256(data).hexdigest() != sha:
-            raise ckpt_files.CheckpointError(f"{run_dir}: {ARTEFACTS}/{name} is missing or differs from its digest")
+            raise CheckpointError(f"{run_dir}: {ARTEFACTS}/{name} is missing or differs from its digest")
         out[name[len(prefix) :]] = data
     return out
 
@@ -409,12 +409,12 @@ def finished(run_dir: str, final_step: int | None) -> Finished | None:
     if final_step is None:
         final_step = summary["metrics"].get("step")
     paths = checkpoint_dirs(run_dir)
-    if not paths or ckpt_files.step_of(storage.name(paths[-1])) != final_step:
+    if not paths or step_of(storage.name(paths[-1])) != final_step:
         return None
     with tempfile.TemporaryDirectory(prefix="raytrain-verify-") as tmp:
         try:
-            ckpt_files.verify(storage.download_dir(paths[-1], tmp))
-        except ckpt_files.CheckpointError:
+            verify(storage.download_dir(paths[-1], tmp))
+        except CheckpointError:
             return None  # the workers will redo the last steps from the checkpoint before
     return Finished(summary, paths[-1])
 

@@ -11,9 +11,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_loops import ray_private, storage
 from raytrain_loops.callbacks.mlflow_log import TrackedRun
+from raytrain_loops.checkpoint.ray_keep_best import KeepBest
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
-from raytrain_loops.controller.keep_best import KeepBest
 from raytrain_loops.rundir.stops import StopBoard
 from raytrain_loops.tasks import DatasetSplit, ParquetSplit, Task
 from raytrain_loops.worker.train import WorkerPayload, train_loop_per_worker

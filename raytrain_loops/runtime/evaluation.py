@@ -16,15 +16,14 @@ from typing import Any
 
 import torch
 
+from raytrain_loops.checkpoint import CheckpointError, CheckpointReporter
 from raytrain_loops.config import Config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.api import checked_evaluate
-from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import evaluate, sync_buffers
 from raytrain_loops.engine.rng import seed_everything
 from raytrain_loops.engine.update import precision
-from raytrain_loops.runtime.reporter import CheckpointReporter
 from raytrain_loops.runtime.wiring import WorkerPayload, set_threads
 from raytrain_loops.tasks import Task
 
@@ -49,7 +48,7 @@ def evaluate_checkpoint(
     metrics over all workers (``eval_*``, ``eval_ema_*``), with the checkpoint's ``step`` and
     ``epoch``. ``prepare_model`` and ``batches`` are the caller's, as for
     :func:`~raytrain_loops.runtime.wiring.wire`. A damaged checkpoint raises
-    :class:`~raytrain_loops.engine.checkpoint.CheckpointError` naming it."""
+    :class:`~raytrain_loops.checkpoint.CheckpointError` naming it."""
     config = _decided(payload.config, device)
     task = payload.task
     set_threads(config)
@@ -69,7 +68,7 @@ def evaluate_checkpoint(
     )
     reporter = CheckpointReporter(engine, rank, world, payload.run_dir)
     if reporter.restore_from([], payload.init_checkpoint) is None:
-        raise ckpt_files.CheckpointError(f"{payload.init_checkpoint} could not be loaded")
+        raise CheckpointError(f"{payload.init_checkpoint} could not be loaded")
     sync_buffers(engine, config.eval.bn_buffers)
     stream = source.batches("eval", engine.epoch)
     try:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import BestCheckpoints, CheckpointReporter, candidates, checkpoint_dirs, retain
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Sender
@@ -29,12 +30,8 @@ from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.engine.update.guards import TrainingError
 from raytrain_loops.errors import TrainingStopped
-from raytrain_loops.rundir.best import BestCheckpoints
-from raytrain_loops.rundir.layout import checkpoint_dirs
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
 from raytrain_loops.runtime.evaluation import evaluate_checkpoint
-from raytrain_loops.runtime.reporter import CheckpointReporter
-from raytrain_loops.runtime.restore import candidates
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.tasks import Task
 
@@ -80,9 +77,7 @@ class LocalReporter(CheckpointReporter):
         self.sender.checkpoint(metrics.get("step"), dest)
         if self.best is not None:
             self.best.add(metrics, name)
-        if self.keep:
-            for old in checkpoint_dirs(self.run_dir)[: -self.keep]:
-                storage.delete_tree(old)
+        retain(self.run_dir, self.keep)
 
     def restore(self, init_checkpoint: str | None = None) -> Position | None:
         return self.restore_from(candidates(self.run_dir, None), init_checkpoint)

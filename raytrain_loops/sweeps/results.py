@@ -12,9 +12,10 @@ from typing import Any
 import yaml
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import last_checkpoint
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
-from raytrain_loops.driver.fit import last_checkpoint, write_summary
+from raytrain_loops.driver.fit import write_summary
 from raytrain_loops.rundir.layout import SUMMARY
 
 # What Tune adds to a trial's results, beside the run's own metrics.

@@ -49,9 +49,9 @@ def set_bn_momentum(model: nn.Module, momentum: float) -> None:
 
 def load_backbone(backbone: nn.Module, path: str) -> None:
     """``backbone`` loaded from ``task.params.backbone_weights``
-    (:func:`~raytrain_loops.engine.checkpoint.weights.load_backbone`); its errors name the key."""
-    from raytrain_loops.engine.checkpoint.weights import WeightsError
-    from raytrain_loops.engine.checkpoint.weights import load_backbone as load
+    (:func:`~raytrain_loops.checkpoint.load_backbone`); its errors name the key."""
+    from raytrain_loops.checkpoint import WeightsError
+    from raytrain_loops.checkpoint import load_backbone as load
 
     try:
         load(backbone, path)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from raytrain_loops.checkpoint import whole_model
 from raytrain_loops.config import ConfigError
 from raytrain_loops.driver.run_dir import read_pinned
-from raytrain_loops.engine.checkpoint.files import whole_model
 from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE
 
 

@@ -1,7 +1,8 @@
 """What Ray Train runs on every worker: the loop wired as in any process
 (:func:`raytrain_loops.runtime.wiring.wire`) with its Ray parts: the model under DDP (Ray's
 ``prepare_model``) or FSDP2, this worker's batches (``worker/batches.py``), a reporter that writes
-checkpoint files and calls ``ray.train.report``, and the stops a retry cannot fix.
+checkpoint files and calls ``ray.train.report`` (``checkpoint/ray_reporter.py``), and the stops a
+retry cannot fix.
 
 See docs/architecture.md for the whole path.
 """
@@ -19,6 +20,7 @@ import ray.train.torch
 import torch
 
 from raytrain_loops.callbacks.preemption import Notice, PreemptionCheck
+from raytrain_loops.checkpoint.ray_reporter import RayReporter
 from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.data.reach import check_here
@@ -28,8 +30,7 @@ from raytrain_loops.errors import Stopped
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.streams import close
 from raytrain_loops.tasks import DatasetSplit, Task
-from raytrain_loops.worker.batches import ray_batches
-from raytrain_loops.worker.reporter import RayReporter
+from raytrain_loops.worker.batches import PREPROCESSED_ON, ray_batches
 
 __all__ = ["WorkerPayload", "train_loop_per_worker"]
 
@@ -119,7 +120,9 @@ def train_loop_per_worker(payload: WorkerPayload) -> Stopped | None:
             sender,
             prepare_model=prepare_model,
             batches=functools.partial(ray_batches, sender=sender),
-            reporter=functools.partial(RayReporter, rank=rank, world=world, run_dir=payload.run_dir, sender=sender),
+            reporter=functools.partial(
+                RayReporter, rank=rank, world=world, run_dir=payload.run_dir, sender=sender, preprocessed_on=PREPROCESSED_ON
+            ),
             before_data=functools.partial(_check_stops, payload),
         )
     except _StoppedEarlier as earlier:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_loops import storage
-from raytrain_loops.engine.checkpoint import files as ckpt_files
+from raytrain_loops.checkpoint import files as ckpt_files
+from raytrain_loops.checkpoint.listing import checkpoint_dirs
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.rundir.layout import checkpoint_dirs
 
 
 class FailedElsewhere(Exception):

@@ -1,6 +1,6 @@
 """``KeepBest``, a Ray Train controller callback; runs in the Train controller's process (on the
 driver's node). It keeps the best ``checkpoint.keep`` checkpoints by ``checkpoint.score_metric``
-in the run directory's ``best/`` (:class:`~raytrain_loops.rundir.best.BestCheckpoints`).
+in the run directory's ``best/`` (:class:`~raytrain_loops.checkpoint.best.BestCheckpoints`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from ray.train.v2.api.callback import UserCallback
 
 from raytrain_loops import storage
-from raytrain_loops.rundir.best import BEST, BestCheckpoints
+from raytrain_loops.checkpoint.best import BEST, BestCheckpoints
 
 __all__ = ["BEST", "KeepBest"]
 

@@ -1,8 +1,8 @@
 """The loop's reporter without Ray's part: a worker's checkpoint files, and the restore of a run's
 newest intact checkpoint, which the workers of a group go through together (their agreement:
-:mod:`raytrain_loops.runtime.restore`). A Ray worker's :class:`~raytrain_loops.worker.reporter.RayReporter`
+:mod:`raytrain_loops.checkpoint.restore`). A Ray worker's :class:`~raytrain_loops.checkpoint.ray_reporter.RayReporter`
 and a local run's :class:`~raytrain_loops.runtime.local.LocalReporter` build on it; the files
-themselves are :mod:`raytrain_loops.engine.checkpoint.files`."""
+themselves are :mod:`raytrain_loops.checkpoint.files`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from raytrain_loops import storage
+from raytrain_loops.checkpoint import files as ckpt_files
+from raytrain_loops.checkpoint.restore import FailedElsewhere, agree, merged_candidates
 from raytrain_loops.config import ConfigError
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.checkpoint import files as ckpt_files
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.runtime.restore import FailedElsewhere, agree, merged_candidates
 
 
 class DataPositions(Protocol):
@@ -107,7 +107,7 @@ class CheckpointReporter:
         their checksums, a sharded checkpoint's metadata), and the workers vote before loading
         it, and again after: the load of a sharded checkpoint runs collectives, which a worker
         that moved on would leave the others waiting in. Damage any worker sees
-        (:class:`~raytrain_loops.engine.checkpoint.files.CheckpointError`) moves every worker on to
+        (:class:`~raytrain_loops.checkpoint.files.CheckpointError`) moves every worker on to
         the one before; any other error (out of memory, an I/O error) stops the restore on
         every worker. When every checkpoint is damaged (a first upload cut off by a
         preemption), the run starts again from the beginning, and ``loaded`` says so.

@@ -5,7 +5,7 @@ DCP's own reader unpickles ``.metadata`` with ``pickle.load`` and hands each non
 payload. Here the metadata goes through an unpickler that knows DCP's metadata types and nothing
 else, and non-tensor items through ``torch.load(weights_only=True)``, like every other file of a
 checkpoint. Tensor items were already read weights-only. This module imports DCP (a second or
-more), so :mod:`raytrain_loops.engine.checkpoint.files` imports it only when a sharded checkpoint is read.
+more), so :mod:`raytrain_loops.checkpoint.files` imports it only when a sharded checkpoint is read.
 """
 
 from __future__ import annotations

@@ -1,24 +1,24 @@
 """The loop's reporter on Ray; runs on every Ray Train worker: ``ray.train.report`` with checkpoint
 files, and the restore of a run's newest intact checkpoint (the workers' agreement on it:
-:mod:`raytrain_loops.runtime.reporter`, :mod:`raytrain_loops.runtime.restore`)."""
+:mod:`raytrain_loops.checkpoint.reporter`, :mod:`raytrain_loops.checkpoint.restore`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 import ray.train
 
 from raytrain_loops import ray_private
+from raytrain_loops.checkpoint.reporter import CheckpointReporter
+from raytrain_loops.checkpoint.restore import candidates
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.coalesce import skipping_note
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.runtime.reporter import CheckpointReporter
-from raytrain_loops.runtime.restore import candidates
-from raytrain_loops.worker.batches import PREPROCESSED_ON
 
 POLL_S_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train's controller polls its workers this often
 RAY_POLL_S = 2.0  # Ray's default
@@ -26,11 +26,21 @@ RAY_POLL_S = 2.0  # Ray's default
 
 class RayReporter(CheckpointReporter):
     """Writes this worker's part of a checkpoint and reports it to Ray; restores the run's newest
-    intact checkpoint. ``sender``: rank 0's console."""
+    intact checkpoint. ``sender``: rank 0's console; ``preprocessed_on``: the rows preprocessed
+    on each node so far (the batch source's count, read at each checkpoint)."""
 
-    def __init__(self, engine: Engine, rank: int, world: int, run_dir: str, sender: Sender | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        rank: int,
+        world: int,
+        run_dir: str,
+        sender: Sender | None = None,
+        preprocessed_on: Mapping[str, int] | None = None,
+    ):
         super().__init__(engine, rank, world, run_dir)
         self.sender = sender
+        self.preprocessed_on = preprocessed_on if preprocessed_on is not None else {}
 
     def in_flight(self) -> bool:
         """Whether a report of this worker's is not yet taken by Ray Train's controller: uploading,
@@ -61,7 +71,7 @@ class RayReporter(CheckpointReporter):
             ray.train.report(metrics, checkpoint_upload_mode=async_mode)
             return
         node = ray.get_runtime_context().get_node_id()
-        tmp = self._write(checkpoint, node, preprocessed_on=dict(PREPROCESSED_ON))
+        tmp = self._write(checkpoint, node, preprocessed_on=dict(self.preprocessed_on))
         try:
             ray.train.report(
                 metrics,

@@ -209,7 +209,7 @@ def _dcp_failure(err: BaseException, directory: str | Path, what: str) -> Except
 
 def _dcp_metadata(directory: str | Path):
     """The DCP metadata of a checkpoint, read without running code; damage as :class:`CheckpointError`."""
-    from raytrain_loops.engine.checkpoint import dcp_io
+    from raytrain_loops.checkpoint import dcp_io
 
     path = Path(directory) / DCP_DIR / dcp_io.METADATA
     try:
@@ -233,7 +233,7 @@ def check_sharded(directory: str | Path) -> None:
     as :func:`read_sharded` will, without running code and without collectives: what a worker
     checks on its own before the workers load the checkpoint together. Raises
     :class:`CheckpointError` when either is refused or unreadable."""
-    from raytrain_loops.engine.checkpoint import dcp_io
+    from raytrain_loops.checkpoint import dcp_io
 
     metadata = _dcp_metadata(directory)
     try:
@@ -278,7 +278,7 @@ def read_sharded(directory: str | Path, targets: dict[str, Any]) -> None:
     A worker's failure is every worker's (DCP gathers them): an out-of-memory or I/O error raises
     that error; anything else (a state that does not fit this model, unreadable content) a
     :class:`CheckpointError`."""
-    from raytrain_loops.engine.checkpoint import dcp_io
+    from raytrain_loops.checkpoint import dcp_io
 
     metadata = _dcp_metadata(directory)
     wanted = {k: v for k, v in targets.items() if v is not None}
@@ -392,7 +392,7 @@ def whole_model(directory: str | Path) -> dict[str, Any]:
     verify(d)
     shared = read_file(d, STATE)
     if is_sharded(d):
-        from raytrain_loops.engine.checkpoint import dcp_io
+        from raytrain_loops.checkpoint import dcp_io
 
         metadata = _dcp_metadata(d)
         try:

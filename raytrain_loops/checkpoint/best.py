@@ -1,6 +1,6 @@
 """The best checkpoints of a run by ``checkpoint.score_metric``, kept in the run directory's
 ``best/`` with ``best.json`` ranking them; without Ray. Ray's Train controller runs it after each
-checkpoint it registers (:class:`~raytrain_loops.controller.keep_best.KeepBest`), a local run after
+checkpoint it registers (:class:`~raytrain_loops.checkpoint.ray_keep_best.KeepBest`), a local run after
 each checkpoint it writes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from raytrain_loops import storage
-from raytrain_loops.engine.checkpoint import files as ckpt_files
+from raytrain_loops.checkpoint import files as ckpt_files
 
 BEST = "best"
 
