@@ -1,18 +1,21 @@
-"""The recipes that preprocess in Ray tasks (``hf_lm``, ``images_cls``) across two Ray nodes that
-share no disk (tests/multinode.py): one training worker per node, data and run directory on the
-S3 server, streamed by the workers (``data.materialize=never``), a preprocessing slot left on each
-node. Each run's checkpoints record where it trained (every worker's node) and where its rows
-were preprocessed (each worker's rows per node, ``preprocessed_on``): both nodes did both.
-Between the two runs, ``raytrain-loops convert`` turns a COCO directory in the bucket into the
-plan's Parquet in the bucket, on the cluster.
+"""Recipes that preprocess in Ray tasks (``hf_lm``, and ``seamseg`` on a converted COCO
+directory) across two Ray nodes that share no disk (tests/multinode.py): one training worker per
+node, data and run directory on the S3 server, streamed by the workers
+(``data.materialize=never``), a preprocessing slot left on each node. Each run's checkpoints
+record where it trained (every worker's node) and where its rows were preprocessed (each
+worker's rows per node, ``preprocessed_on``): both nodes did both. Between the two runs,
+``raytrain-loops convert`` turns a COCO directory in the bucket (a train and a val split) into
+the plan's Parquet in the bucket, on the cluster; ``seamseg`` trains on it there.
 
-The ``images_cls`` run is also the run in a bucket that survives a killed worker: its data
-uploaded from the driver's staging directory, its log holding each step once, its best
-checkpoints in ``best/``, and a rerun of the finished run that trains and writes nothing."""
+The ``hf_lm`` run's data is prepared in the driver's staging directory and uploaded to
+``data.dir``. The ``seamseg`` run is also the run in a bucket that survives a killed worker: its
+log holding each step once, its best checkpoints by ``eval_miou`` in ``best/``, and a rerun of
+the finished run that trains and writes nothing."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -75,7 +78,7 @@ def _where(run_dir: str) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.ray
-def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket(cluster, tmp_path):
+def test_hf_lm_and_seamseg_on_converted_coco_train_and_preprocess_on_both_nodes_from_the_bucket(cluster, tmp_path):
     text = _corpus(tmp_path / "text" / "a.jsonl", 200, 0, "the list")
     cluster.ensure_second()
     nodes = {n["node_id"] for n in cluster.nodes()}
@@ -103,44 +106,49 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     summary = json.loads(storage.read_text(storage.join(hf_dir, "summary.json")))
     assert summary["metrics"]["step"] == 16 and "eval_bpb" in summary["metrics"], summary
     assert _where(hf_dir) == (nodes, nodes)
+    staged = _files(cluster.s3.uri("data-hf"))  # prepared in the driver's staging directory, uploaded
+    rows = sorted(n.split("/")[-1] for n in staged if n.endswith(".parquet"))
+    assert rows == ["train.parquet", "valid.parquet"], staged
 
     # raytrain-loops convert on the cluster, the source and the destination in the bucket: a COCO
     # directory's parts written by Ray Data tasks on either node, moved into place, meta.json last.
+    # 256 training images: a worker's 128 in 4 windows of data.shuffle_buffer rows each epoch.
+    coco = write_coco(tmp_path / "coco", images=256)
+    write_coco(coco, images=32, seed=1, split="val")
     fs, base = pafs.FileSystem.from_uri(cluster.s3.uri("coco-src"))
-    pafs.copy_files(str(write_coco(tmp_path / "coco", images=40)), base, destination_filesystem=fs)
+    pafs.copy_files(str(coco), base, destination_filesystem=fs)
     src, dest = cluster.s3.uri("coco-src"), cluster.s3.uri("coco-dest")
-    converted = cluster.cli("convert", "coco", src, dest, "--rows-per-file", "10", "--chunk-rows", "5", home=home)
+    converted = cluster.cli("convert", "coco", src, dest, "--rows-per-file", "64", "--chunk-rows", "16", home=home)
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
-    assert "converted 40 images, 2 categories, " in converted.stdout and "into 4 files" in converted.stdout
-    assert identity.identity(dest)["rows"] == {f"train/part-0000{k}.parquet": 10 for k in range(4)}
-    assert json.loads(storage.read_text(storage.join(dest, "meta.json")))["splits"] == {"train": 40}
+    assert "converted 288 images, 2 categories, " in converted.stdout and "into 5 files" in converted.stdout
+    parts = {f"train/part-0000{k}.parquet": 64 for k in range(4)} | {"eval/part-00000.parquet": 32}
+    assert identity.identity(dest)["rows"] == parts
+    assert json.loads(storage.read_text(storage.join(dest, "meta.json")))["splits"] == {"train": 256, "eval": 32}
 
     # Rank 0 (it writes the run log) killed at step 6: Ray restarts the group on both nodes.
-    images = [
-        "images_cls",
-        "images",
-        "task.params.train_images=1024",
-        "task.params.eval_images=128",
+    seg = [
+        "seamseg",
+        "seg",
+        "task.params.data=coco",
+        f"task.params.source={dest}",
         "task.params.size=32",
-        "task.params.width=8",
-        "data.batch_size=16",
-        "data.eval_batch_size=64",
+        "data.batch_size=8",
+        "data.eval_batch_size=16",
+        "data.shuffle_buffer=32",
         "loop.max_steps=12",
         "eval.every_steps=4",
         "checkpoint.every_steps=4",
         "run.coalesce_reports=false",  # checkpoints 4, 8 and 12, however slowly Ray takes them
         "checkpoint.keep=2",
-        "checkpoint.score_metric=eval_accuracy",
+        "checkpoint.score_metric=eval_miou",
         "run.max_failures=1",
         "fault.plan=[{step: 6, rank: 0, kind: kill}]",
     ]
-    out, run = _train(cluster, home, *images)
+    out, run = _train(cluster, home, *seg)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(storage.read_text(storage.join(run, "summary.json")))
-    assert summary["metrics"]["step"] == 12 and "eval_accuracy" in summary["metrics"], summary
+    assert summary["metrics"]["step"] == 12 and 0.0 <= summary["metrics"]["eval_miou"] <= 1.0, summary
     assert storage.name(summary["checkpoint"]) == "checkpoint_00000012"
-    data = _files(cluster.s3.uri("data-images"))
-    assert sum(n.endswith(".parquet") and "/train/" in n for n in data) >= 1  # uploaded from staging
     assert not list(Path.cwd().glob("s3:*"))  # nothing written to a local directory named after the URI
     files = _files(run)
     assert "faults/0.fired" in files  # the kill happened
@@ -151,8 +159,8 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     # when the second resumes from checkpoint 4, and go when the run starts again.
     restored = json.loads(storage.read_text(storage.join(run, "init.json")) or "{}").get("checkpoint")
     assert restored is None or storage.name(restored) == "checkpoint_00000004"
-    steps = [json.loads(line)["step"] for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
-    assert steps == list(range(1, 13))
+    log = [json.loads(line) for line in storage.read_text(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert [s["step"] for s in log] == list(range(1, 13)) and all(math.isfinite(s["loss"]) for s in log), log
     best = json.loads(storage.read_text(storage.join(run, "best", "best.json")))
     assert len(best) == 2 and all(f"best/{e['checkpoint']}/state.pt" in files for e in best)
     # The newest and the one before (4 too, when the kill came before Ray had registered it).
@@ -162,7 +170,7 @@ def test_hf_lm_and_images_cls_train_and_preprocess_on_both_nodes_from_the_bucket
     }
     assert _where(run) == (nodes, nodes)
 
-    again, _ = _train(cluster, home, *images)  # finished: nothing trained, nothing written
+    again, _ = _train(cluster, home, *seg)  # finished: nothing trained, nothing written
     assert again.returncode == 0 and "already finished at step 12" in again.stdout + again.stderr, again.stderr
     assert _files(run) == files
 

@@ -1,5 +1,5 @@
 """Image data sets in the seeds' formats, written by the tests: an ImageFolder tree of PNG and JPEG
-files (examples/imagefolder.py's), and a COCO directory (``annotations/instances_train.json`` beside ``train/``) whose
+files (examples/imagefolder.py's), and a COCO directory (``annotations/instances_train.json`` beside ``train/``, a ``val`` split alike) whose
 objects have polygons, and one ``iscrowd`` object an uncompressed RLE, as COCO's crowds do."""
 
 from __future__ import annotations
@@ -45,13 +45,16 @@ def _crowd_rle(w: int, h: int) -> dict:
     return {"size": [h, w], "counts": counts}
 
 
-def write_coco(root: Path, images: int = 200, width: int = 20, height: int = 14, seed: int = 0) -> Path:
-    """``root/annotations/instances_train.json`` and ``root/train/<id>.png``: ``images`` images
-    (``width`` x ``height``), 1-3 polygon objects each, one ``iscrowd`` object (an RLE) in the first."""
+def write_coco(
+    root: Path, images: int = 200, width: int = 20, height: int = 14, seed: int = 0, split: str = "train"
+) -> Path:
+    """``root/annotations/instances_<split>.json`` and ``root/<split>/<id>.png``: ``images`` images
+    (``width`` x ``height``), 1-3 polygon objects each, one ``iscrowd`` object (an RLE) in the first.
+    A second call with another ``split`` (``val``) and ``seed`` adds that split beside it."""
     from pycocotools import mask as mask_utils
 
     rng = np.random.default_rng(seed)
-    (root / "train").mkdir(parents=True, exist_ok=True)
+    (root / split).mkdir(parents=True, exist_ok=True)
     (root / "annotations").mkdir(exist_ok=True)
     data = {"images": [], "annotations": [], "categories": CATEGORIES}
     ann_id = 1
@@ -59,7 +62,7 @@ def write_coco(root: Path, images: int = 200, width: int = 20, height: int = 14,
         image_id = 1000 + 3 * i
         name = f"{image_id:06d}.png"
         pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
-        (root / "train" / name).write_bytes(encoded(pixels, "PNG"))
+        (root / split / name).write_bytes(encoded(pixels, "PNG"))
         data["images"].append({"id": image_id, "file_name": name, "width": width, "height": height})
         for _ in range(int(rng.integers(1, 4))):
             cat = CATEGORIES[int(rng.integers(2))]
@@ -78,5 +81,5 @@ def write_coco(root: Path, images: int = 200, width: int = 20, height: int = 14,
                  "bbox": [5.0, 3.0, 10.0, 4.0], "area": 40.0, "iscrowd": 1}
             )  # fmt: skip
             ann_id += 1
-    (root / "annotations" / "instances_train.json").write_text(json.dumps(data))
+    (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(data))
     return root
