@@ -66,14 +66,17 @@ def _files(uri: str) -> dict[str, int]:
 
 def _where(run_dir: str) -> tuple[set[str], set[str]]:
     """The nodes the run's checkpoints' workers trained on, and the nodes that preprocessed rows
-    for them."""
+    for them; every worker's rows were preprocessed on its own node (preferred where it has room,
+    as each node does here), some or all of them."""
     trained, preprocessed = set(), set()
     for name in sorted({n.split("/")[0] for n in _files(run_dir) if n.startswith("checkpoint_0")}):
         local = storage.download_dir(storage.join(run_dir, name), tempfile.mkdtemp(prefix="rtl-ckpt-"))
         for rank in (0, 1):
             record = ckpt.read_file(local, ckpt.rank_file(rank))
             trained.add(record["node_id"])
-            preprocessed.update(node for node, rows in record["preprocessed_on"].items() if rows > 0)
+            own = {node for node, rows in record["preprocessed_on"].items() if rows > 0}
+            assert record["node_id"] in own, (name, rank, record["node_id"], record["preprocessed_on"])
+            preprocessed |= own
     return trained, preprocessed
 
 

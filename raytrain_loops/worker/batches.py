@@ -161,6 +161,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     one the step reads, one more that a running task may write past the limit)."""
     import ray.data
     from ray.data import ActorPoolStrategy, ExecutionResources, TaskPoolStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     items = [{"epoch": e, "window": w, "skip": s} for e, w, s in units]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -181,6 +182,9 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
             cpus = _cpus_share(p, world)
         ds = ds.map_batches(_preprocess_units, fn_kwargs={"work": work}, **args)
     ctx = ds.context
+    # This worker's node first, where it can place them: its blocks are read there, not fetched.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = here
     ctx.execution_options.preserve_order = True
     block = block_bytes(memory)
     limit = max(block, memory - 3 * 1.5 * block)
