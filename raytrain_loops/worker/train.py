@@ -25,8 +25,7 @@ from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.data.reach import check_here
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.update.guards import GroupBrokenError, TrainingError
-from raytrain_loops.errors import Stopped
+from raytrain_loops.errors import GroupBrokenError, Stopped, TrainingError
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.streams import close
 from raytrain_loops.tasks import DatasetSplit, Task

@@ -27,11 +27,12 @@ from raytrain_loops.engine.optim.clip import clip_and_normalise
 from raytrain_loops.engine.optim.optimizer import apply_values, build_optimizer_scaler_ema, frozen_params, keep_kernel
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
-from raytrain_loops.engine.update.guards import GroupBrokenError, is_oom
+from raytrain_loops.engine.update.guards import is_oom
 from raytrain_loops.engine.update.micro import MicroBatches, SplitFn
 from raytrain_loops.engine.update.precision import autocast
 from raytrain_loops.engine.update.skips import REASONS, Skips, describe_nonfinite, reruns
 from raytrain_loops.engine.update.sums import LocalSums
+from raytrain_loops.errors import GroupBrokenError
 
 __all__ = ["Engine"]
 
