@@ -22,7 +22,7 @@ from raytrain_loops.checkpoint import last_checkpoint
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, warn_emulated_bf16
 from raytrain_loops.driver.ray_start import ensure_ray
-from raytrain_loops.driver.run_dir import (
+from raytrain_loops.driver.run_checks import (
     FinishedRun,
     RunLock,
     check_config,

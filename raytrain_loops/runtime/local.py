@@ -30,7 +30,7 @@ from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.errors import TrainingError, TrainingStopped
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
-from raytrain_loops.runtime.evaluation import evaluate_checkpoint
+from raytrain_loops.runtime.evaluate import evaluate_checkpoint
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.tasks import Task
 
@@ -128,7 +128,7 @@ def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
 
 def evaluate_local(payload: WorkerPayload) -> dict[str, Any]:
     """``raytrain-loops evaluate --local``: ``payload.init_checkpoint`` evaluated in this process as
-    the only worker (:func:`~raytrain_loops.runtime.evaluation.evaluate_checkpoint`), with a local
+    the only worker (:func:`~raytrain_loops.runtime.evaluate.evaluate_checkpoint`), with a local
     run's model preparation and batches."""
     device = local_device(payload.config)
     with _callers_state():
