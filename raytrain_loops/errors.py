@@ -1,4 +1,5 @@
-"""Turning Ray's wrapped worker failures back into the error a user can act on."""
+"""The errors a run stops with, and a failure's root cause as a user reads it: Ray's wrapped worker
+failures turned back into the error a user can act on."""
 
 from __future__ import annotations
 
@@ -87,3 +88,33 @@ class TrainingStopped(RuntimeError):
     def __init__(self, kind: str, message: str, step: int):
         super().__init__(f"{kind} at step {step}: {message}")
         self.kind, self.step = kind, step
+
+
+class TrainingError(RuntimeError):
+    """A failure that retrying the same run cannot fix (every worker raises it together)."""
+
+
+class NonFiniteError(TrainingError):
+    """A loss or gradient was NaN or infinite."""
+
+
+class OOMError(TrainingError):
+    """Out of memory in forward or backward, beyond what the OOM policy allows."""
+
+
+class GradSyncError(TrainingError):
+    """Workers hold different gradients after DDP's all-reduce: they would drift apart."""
+
+
+class LossScaleError(TrainingError):
+    """The fp16 loss scale fell below its floor: the loss overflows even at a tiny scale."""
+
+
+class GroupBrokenError(RuntimeError):
+    """This worker cannot complete the step's collectives with the others (an OOM while DDP's
+    gradient all-reduce was under way): not a :class:`TrainingError`, so Ray restarts the whole
+    group from the last checkpoint instead of leaving the others waiting."""
+
+
+class LossSpikeError(TrainingError):
+    """The loss jumped far above its recent mean: the run diverged."""

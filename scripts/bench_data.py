@@ -330,7 +330,7 @@ def part2(index: SplitIndex, repeats: int, rows: int) -> None:
     print(f"2. with preprocess (PNG decode, crop, flip), epochs of {epoch.rows:,} rows:")
     import ray
 
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[tuple[float, float, float]]] = {"here": [], "1": [], "2": []}

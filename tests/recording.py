@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import torch
 
 from raytrain_loops.data.parquet import ROW_SEED
-from raytrain_loops.engine.update.guards import TrainingError
+from raytrain_loops.errors import TrainingError
 from raytrain_loops.tasks import DigitsTask, ParquetSplit
 from raytrain_loops.tasks.digits import write_digits_parquet
 

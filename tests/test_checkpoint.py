@@ -14,7 +14,7 @@ import torch
 from raytrain_loops.callbacks.spike_guard import SpikeDetector
 from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine.update.guards import LossSpikeError
+from raytrain_loops.errors import LossSpikeError
 from raytrain_loops.recipes import resolve
 
 

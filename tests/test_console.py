@@ -22,7 +22,7 @@ from raytrain_loops.console.capture import Console
 from raytrain_loops.console.display import Display
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.controller.announcer import Announcer
-from raytrain_loops.sweeps.tune import TrialLines, _Decisions
+from raytrain_loops.sweeps.tune import TrialProgress, _Decisions
 
 
 class Terminal(io.StringIO):
@@ -276,7 +276,7 @@ def test_rank_0_sends_its_progress_and_evaluation_lines_to_the_driver(tmp_path):
 
 def test_a_sweep_prints_a_line_per_trial_result_and_how_each_trial_ended():
     out = io.StringIO()
-    lines = TrialLines(Display(out), "eval_accuracy", length=63)
+    lines = TrialProgress(Display(out), "eval_accuracy", length=63)
     trial = SimpleNamespace(trial_id="3f2a_00001", last_result={"step": 20, "eval_accuracy": 0.5}, error_file=None)
     lines.on_trial_result(0, [], trial, {"step": 20, "eval_accuracy": 0.5})
     lines.on_trial_complete(0, [], trial)  # ASHA stopped it before its 63 steps

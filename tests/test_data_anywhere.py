@@ -208,7 +208,7 @@ def test_a_preprocessing_task_that_fails_to_read_a_file_reaches_the_cli_as_its_o
     from raytrain_loops.cli import _failed
     from raytrain_loops.config.run import DataConfig
     from raytrain_loops.data.parquet import eval_plan, index_split
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     missing = tmp_path / "part-00000.parquet"
     pq.write_table(pa.table({"label": list(range(10))}), missing)

@@ -314,7 +314,7 @@ def _model_dir(tmp_path: Path, corpus: dict) -> Path:
 def test_the_task_shipped_to_preprocessing_carries_the_tokenizer_by_content_and_no_weights_nor_driver_path(
     tmp_path, corpus
 ):
-    """What the driver ships to every preprocessing task (Task.preprocessing_copy, as worker/batches.py
+    """What the driver ships to every preprocessing task (Task.preprocessing_copy, as worker/preprocessing.py
     passes it) holds the tokenizer's files and works on a node that has none of the driver's
     directories; the training workers' copy holds the weights and builds the model without them."""
     import pickle
@@ -368,7 +368,7 @@ def test_artefacts_are_pinned_in_a_run_directory_on_a_bucket_and_a_changed_one_i
 ):
     from raytrain_loops import storage
     from raytrain_loops.checkpoint.files import CheckpointError
-    from raytrain_loops.driver.run_dir import pin_artefacts, read_pinned
+    from raytrain_loops.driver.run_checks import pin_artefacts, read_pinned
 
     run = storage.join(s3_root, "run")
     first = {"tokenizer/tokenizer.json": b"A", "model/config.json": b"{}"}

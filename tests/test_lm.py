@@ -18,7 +18,7 @@ from raytrain_loops.config import load_config
 from raytrain_loops.config.run import DataConfig
 from raytrain_loops.data.parquet import train_plan
 from raytrain_loops.engine import Engine
-from raytrain_loops.engine.update.guards import GradSyncError
+from raytrain_loops.errors import GradSyncError
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks.lm import BOS, IGNORE, LMTask, cut
 from tests import fakes

@@ -18,7 +18,7 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
-from raytrain_loops.engine.update.guards import LossSpikeError, NonFiniteError
+from raytrain_loops.errors import LossSpikeError, NonFiniteError
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.runfiles import records, tb_scalars

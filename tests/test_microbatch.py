@@ -324,7 +324,7 @@ def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_i
     assert "out-of-memory" not in out and second.metrics["step"] == 6
     # A rerun may turn auto on or off (the update is the same), and the run keeps its name.
     from raytrain_loops.driver.preflight import run_name
-    from raytrain_loops.driver.run_dir import check_config
+    from raytrain_loops.driver.run_checks import check_config
 
     rerun = {**base, "loop": {"max_steps": 6, "epochs": 6}}
     fixed = load_config({**rerun, "accum": {"micro_batch": "fixed"}})

@@ -19,7 +19,7 @@ from raytrain_loops import fit
 from raytrain_loops.callbacks.mlflow_log import SETTLE_S, MlflowLog, TrackedRun
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.driver import fit as fit_module
-from raytrain_loops.driver.run_dir import flatten
+from raytrain_loops.driver.run_checks import flatten
 from raytrain_loops.driver.tracking import RUN_ID_FILE, end_run, open_tracking, start_run
 from raytrain_loops.recipes import resolve
 from tests.mlflow_server import TrackingServer

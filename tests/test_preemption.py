@@ -17,7 +17,7 @@ from raytrain_loops.callbacks.preemption import COST, Notice, PreemptionCheck, c
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import collectives
-from raytrain_loops.engine.update.guards import GroupBrokenError
+from raytrain_loops.errors import GroupBrokenError
 from tests import fakes
 from tests.gloo import run_gloo
 from tests.test_loop import CADENCE, _loop

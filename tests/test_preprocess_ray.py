@@ -1,4 +1,4 @@
-"""Preprocessing executed by Ray Data (raytrain_loops/worker/batches.py, worker/feed.py): one memory
+"""Preprocessing executed by Ray Data (raytrain_loops/worker/preprocessing.py, worker/feed.py): one memory
 budget for all workers, measured in the object store while a slow run trains; state built once per
 actor; a pool that cannot be placed said on the console and stopped; an execution ended within a
 second when its stream closes."""
@@ -21,7 +21,7 @@ from raytrain_loops import LossOutput, ParquetSplit, Task, fit
 from raytrain_loops.config.run import DataConfig, PreprocessConfig
 from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
 from raytrain_loops.runtime.batches import EpochPlans, preprocessed_here
-from raytrain_loops.worker.batches import EVAL_SHARE, block_bytes
+from raytrain_loops.worker.preprocessing import EVAL_SHARE, block_bytes
 
 WIDE = 25_600
 """Floats each preprocessed row gets: 100 KiB, a hundred times the raw row."""
@@ -168,7 +168,7 @@ def test_a_pool_no_node_can_place_is_said_on_the_console_then_stops_the_run_nami
     """The session's one node advertises "accel" 2, both held by an actor while the pool asks for
     one: nothing can be placed. (A resource no node has would leave Ray's autoscaler reporting the
     infeasible request to every later driver of the session.)"""
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     holder = ray_session.remote(num_cpus=0, resources={"accel": 2})(_Holder).remote()
     ray_session.get(holder.ready.remote())
@@ -198,7 +198,7 @@ def test_a_pool_no_node_can_place_is_said_on_the_console_then_stops_the_run_nami
 def test_a_stream_closed_early_ends_its_execution_within_a_second(ray_session, tmp_path):
     """An epoch stopped early and the attempt's end (the source closed): the work ahead is cancelled,
     no call of ``preprocess`` starts once ``close`` returned, and it returns within a second."""
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     log = tmp_path / "log"
     data, index, plan, ahead = _feed_args(tmp_path, 1024, concurrency=2)
@@ -230,7 +230,7 @@ def test_one_execution_runs_from_epoch_to_epoch_with_the_local_rows_and_an_epoch
     """The train split's execution goes on into the next epochs: each epoch's rows and row seeds
     are the local path's, in its order; the rest of an epoch stopped early is dropped, not read
     into the next; one execution serves all three epochs."""
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     data, index, _, ahead = _feed_args(tmp_path, 256)
     feed = RayPreprocessing(1)

@@ -346,7 +346,7 @@ def test_a_recut_part_resumed_near_a_segments_end_reads_each_row_once_window_by_
 @pytest.mark.ray
 def test_the_preprocessing_tasks_read_a_recut_part_as_the_process_does(ray_session, split):
     from raytrain_loops.config.run import PreprocessConfig
-    from raytrain_loops.worker.batches import RayPreprocessing
+    from raytrain_loops.worker.preprocessing import RayPreprocessing
 
     deal = Deal(4, ((3, (800, 800, 800, 800)), (2, (1000, 1000, 1000))))
     plan = recut_plan(split.index, 7, EPOCH, 128, 1000, deal, 1)

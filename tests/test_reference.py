@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from raytrain_loops.config import Config, to_dict
-from raytrain_loops.driver.run_dir import flatten
+from raytrain_loops.driver.run_checks import flatten
 
 # The generator is a developer's script (it reads the CLI, the package's top floor), not a module of the package.
 _spec = importlib.util.spec_from_file_location("reference", Path(__file__).resolve().parents[1] / "scripts" / "reference.py")

@@ -21,7 +21,7 @@ from raytrain_loops import ConfigError, fit
 from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.config import load_config
 from raytrain_loops.driver import fit as fit_module
-from raytrain_loops.driver.run_dir import RunLock, RunLocked
+from raytrain_loops.driver.run_checks import RunLock, RunLocked
 
 
 class RayWouldStart(Exception):
@@ -123,7 +123,7 @@ def test_a_second_driver_on_the_same_run_directory_is_refused(tmp_path, no_ray):
 def test_a_lock_whose_driver_is_gone_or_silent_is_taken_over(tmp_path, capsys):
     run = str(tmp_path / "r")
     # A driver killed with SIGKILL while it held the lock.
-    code = f"from raytrain_loops.driver.run_dir import RunLock; RunLock({run!r}).acquire(); print('held', flush=True); import time; time.sleep(60)"
+    code = f"from raytrain_loops.driver.run_checks import RunLock; RunLock({run!r}).acquire(); print('held', flush=True); import time; time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     with pytest.raises(RunLocked):

@@ -21,7 +21,7 @@ import yaml
 from raytrain_loops import storage
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.checkpoint import files as ckpt
-from raytrain_loops.driver.run_dir import RunLock, RunLocked
+from raytrain_loops.driver.run_checks import RunLock, RunLocked
 from tests.runfiles import tb_scalars
 
 

@@ -374,7 +374,7 @@ def test_a_sweep_whose_trial_and_its_preprocessing_the_cluster_cannot_hold_is_re
 
 
 def test_a_failed_trials_error_is_copied_into_its_trial_directory_and_named(tmp_path, capsys):
-    from raytrain_loops.sweeps.tune import TrialLines
+    from raytrain_loops.sweeps.tune import TrialProgress
 
     class Failed:  # what the callback reads of Tune's trial
         trial_id, experiment_tag = "5f1e2_00001", "1_lr=0.1"
@@ -383,7 +383,7 @@ def test_a_failed_trials_error_is_copied_into_its_trial_directory_and_named(tmp_
     Path(Failed.error_file).parent.mkdir(parents=True)
     Path(Failed.error_file).write_text("Traceback ...\nValueError: logits and targets disagree\n")
     sweep_dir = tmp_path / "sweeps" / "lr"
-    TrialLines(None, "eval_accuracy", 60, str(sweep_dir)).on_trial_error(0, [], Failed())
+    TrialProgress(None, "eval_accuracy", 60, str(sweep_dir)).on_trial_error(0, [], Failed())
     copied = sweep_dir / "trial_00001" / "error.txt"
     assert copied.read_text().endswith("ValueError: logits and targets disagree\n")
     assert capsys.readouterr().out == f"trial_00001 failed; its error: {copied}\n"

@@ -1,7 +1,7 @@
 """``SpikeGuard``, a loop callback; runs on every worker (or in the calling process). Ray-free. It
 stops the run on a loss spike (``spike``): each applied update's loss, the same on every worker
 after the step's all-reduce, goes to a :class:`SpikeDetector`, so every worker raises the same
-:class:`~raytrain_loops.engine.update.guards.LossSpikeError` at the same step; the recent losses are the
+:class:`~raytrain_loops.errors.LossSpikeError` at the same step; the recent losses are the
 callback's checkpointed state, so a resumed run calls a spike where the uninterrupted one would.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from raytrain_loops.config.engine import SpikeConfig
 from raytrain_loops.engine import StepResult
 from raytrain_loops.engine.loop import Callback
-from raytrain_loops.engine.update.guards import LossSpikeError
+from raytrain_loops.errors import LossSpikeError
 
 
 class SpikeDetector:

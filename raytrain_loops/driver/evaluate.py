@@ -1,7 +1,7 @@
 """``raytrain-loops evaluate``; runs on the driver: a checkpoint evaluated again on its run's eval
 split, with its run's config (``config.yaml`` beside it, overrides on top), on Ray with the run's
 ``scaling`` or in this process (``scaling.num_workers=0``). The same evaluation as the loop's at
-the checkpoint's step (:mod:`raytrain_loops.runtime.evaluation`): with the buffers of rank 0 that
+the checkpoint's step (:mod:`raytrain_loops.runtime.evaluate`): with the buffers of rank 0 that
 the checkpoint holds, an evaluation at step N and ``evaluate`` of checkpoint N agree.
 
 Nothing read runs code: the checkpoint is checked (manifests, checksums) before any work and read

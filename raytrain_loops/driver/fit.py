@@ -22,17 +22,17 @@ from raytrain_loops.checkpoint import last_checkpoint
 from raytrain_loops.config import Config, ConfigError, load_config
 from raytrain_loops.driver.preflight import planned_steps, prepare, run_name, warn_emulated_bf16
 from raytrain_loops.driver.ray_start import ensure_ray
-from raytrain_loops.driver.run_dir import (
-    Finished,
+from raytrain_loops.driver.run_checks import (
+    FinishedRun,
     RunLock,
     check_config,
     check_model,
-    finished,
+    finished_run,
     model_fingerprint,
     pin_artefacts,
     pin_model,
     record_changes,
-    unfinish,
+    remove_summary,
 )
 from raytrain_loops.driver.tracking import Tracking, open_tracking, tracked
 from raytrain_loops.rundir.layout import PRECISION_FILE, SUMMARY
@@ -124,10 +124,10 @@ def fit(config: Config | dict | str | Path, task: Task | None = None, overrides:
         length_changed = any(k.startswith(("loop.", "accum.")) for k in changes) or not changes
         # The tokenizer, the data, ...: a changed data set is seen before a finished run is.
         changes.update(pin_artefacts(run_dir, task, config.run.allow_config_change, splits))
-        done = finished(run_dir, planned_steps(config, splits, rows) if length_changed else None)
+        done = finished_run(run_dir, planned_steps(config, splits, rows) if length_changed else None)
         if done is not None:
             return _finished_result(run_dir, done, changes)
-        unfinish(run_dir)
+        remove_summary(run_dir)
         pin_model(run_dir, model)
         write_config(run_dir, config)
         record_changes(run_dir, changes, config.run.allow_config_change)
@@ -175,7 +175,7 @@ def write_summary(run_dir: str, metrics: dict[str, Any], checkpoint: str | None,
         plot_run(run_dir)
 
 
-def _finished_result(run_dir: str, done: Finished, changes: dict[str, tuple[Any, Any]]) -> FitResult:
+def _finished_result(run_dir: str, done: FinishedRun, changes: dict[str, tuple[Any, Any]]) -> FitResult:
     """What a rerun of a finished run returns: its summary, unchanged, and nothing trained. A
     rerun at another scale (``--local``, then Ray workers) is told that the scale makes no new run."""
     metrics = done.summary.get("metrics", {})

@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrain_loops import storage
 from raytrain_loops.config import Config, ConfigError, to_dict
-from raytrain_loops.driver.run_dir import flatten, meta_model
+from raytrain_loops.driver.run_checks import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.update.micro import SplitError, batch_rows
 from raytrain_loops.runtime.batches import first_batch

@@ -25,7 +25,7 @@ from raytrain_loops import storage
 from raytrain_loops.callbacks.mlflow_log import KEY, TrackedRun, client, failure_reason, http_limits
 from raytrain_loops.config import Config, ConfigError
 from raytrain_loops.config.tracking import MlflowConfig
-from raytrain_loops.driver.run_dir import flatten
+from raytrain_loops.driver.run_checks import flatten
 
 RUN_ID_FILE = "mlflow_run_id"
 ARTIFACTS = ("summary.json", "config.yaml", "curves.png", "config_changes.jsonl")

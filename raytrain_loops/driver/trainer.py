@@ -21,7 +21,7 @@ from raytrain_loops.worker.train import WorkerPayload, train_loop_per_worker
 
 class Trainer(TorchTrainer):
     """Ray Train's ``TorchTrainer`` without its Ray Data actor when no split is a Ray Dataset. The
-    workers read their rows themselves (:mod:`raytrain_loops.worker.batches`) and no Ray Dataset is passed, yet Ray Train
+    workers read their rows themselves (:mod:`raytrain_loops.worker.preprocessing`) and no Ray Dataset is passed, yet Ray Train
     starts a ``DatasetManager`` actor for every run: one more process, which imports Ray Data
     while the workers start, on the cores they start on. Where a
     Ray version has no such callback (:func:`raytrain_loops.ray_private.datasets_callback`),

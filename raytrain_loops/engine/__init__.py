@@ -5,7 +5,8 @@ from raytrain_loops.engine.devices import to_device, unwrap
 from raytrain_loops.engine.optim.ema import EMA
 from raytrain_loops.engine.optim.schedules import schedule_value, schedule_values
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
-from raytrain_loops.engine.update.guards import (
+from raytrain_loops.engine.update.step import Engine
+from raytrain_loops.errors import (
     GradSyncError,
     GroupBrokenError,
     LossScaleError,
@@ -13,7 +14,6 @@ from raytrain_loops.engine.update.guards import (
     OOMError,
     TrainingError,
 )
-from raytrain_loops.engine.update.step import Engine
 
 __all__ = [
     "Decision",

@@ -234,24 +234,24 @@ def evaluate(
     meters = Meters()
     for _, m in models:
         m.eval()
-    paired: Iterable[tuple[Any, bool]] = ((b, True) for b in batches)
+    batches_and_real: Iterable[tuple[Any, bool]] = ((b, True) for b in batches)
     padding: dict[str, dict[str, Any]] = {}  # the metrics zero-weight batches update, never computed
     if engine.strategy.shards_across_workers:
-        paired = sharding.lockstep(batches)
+        batches_and_real = sharding.lockstep(batches)
         padding = {prefix: _fresh_metrics(metrics_fn, engine.device) for prefix, _ in models}
     with torch.no_grad(), autocast(engine.config.precision, engine.device):
-        for batch, real in paired:
+        for batch, real in batches_and_real:
             batch = to_device(batch, engine.device)
             for prefix, m in models:
-                mets = split_metrics[prefix] if real else padding[prefix]
-                out = evaluate_fn(m, batch, metrics=mets) if mets else evaluate_fn(m, batch)
+                updated = split_metrics[prefix] if real else padding[prefix]
+                out = evaluate_fn(m, batch, metrics=updated) if updated else evaluate_fn(m, batch)
                 for name, (value, count) in out.items() if real else ():
                     meters.add(f"eval_{prefix}{name}", value, count)
     engine.model.train()
     results = meters.reduce()
-    for prefix, mets in split_metrics.items():
-        for name in sorted(mets):
-            value = mets[name].compute()
+    for prefix, metrics_of_split in split_metrics.items():
+        for name in sorted(metrics_of_split):
+            value = metrics_of_split[name].compute()
             items = value.items() if isinstance(value, dict) else [(name, value)]
             results.update({f"eval_{prefix}{k}": float(v) for k, v in items})
     return results
@@ -263,7 +263,8 @@ def _fresh_metrics(metrics_fn: MetricsFn | None, device: torch.device) -> dict[s
     return {name: metric.to(device) for name, metric in metrics_fn().items()}
 
 
-def _due(every: int, step: int) -> bool:
+def _on_cadence(every: int, step: int) -> bool:
+    """Whether ``step`` falls on a cadence of ``every`` steps (0: never)."""
     return every > 0 and step % every == 0
 
 
@@ -373,11 +374,11 @@ class Loop:
                 cb.on_interval(self.metrics, engine.step)
         if not result.applied or engine.step >= self.total:
             return  # the final report comes after the loop
-        evaluate_now = _due(s.eval_every, engine.step)
+        evaluate_now = _on_cadence(s.eval_every, engine.step)
         # Every callback is asked (a list, not a short-circuit): each may be a collective.
         asked = [cb.checkpoint_now(engine.step) for cb in self.callbacks]
-        checkpoint_now = _due(s.checkpoint_every, engine.step) or any(asked)
-        if evaluate_now or checkpoint_now or _due(s.report_every, engine.step):
+        checkpoint_now = _on_cadence(s.checkpoint_every, engine.step) or any(asked)
+        if evaluate_now or checkpoint_now or _on_cadence(s.report_every, engine.step):
             self._report(after, evaluate_now=evaluate_now, checkpoint_now=checkpoint_now, forced=any(asked))
 
     def _reduce_metrics(self) -> dict[str, float]:
@@ -420,9 +421,9 @@ class Loop:
             for cb in self.callbacks:
                 cb.on_eval(self.last_eval, engine.step, engine.epoch)
         if not sent:
-            tell = getattr(self.reporter, "skipped", None)
-            if self.coalescing.skipped == 1 and tell is not None:
-                tell(self.coalescing.last_sent, engine.step, checkpoint=skipped_checkpoint)
+            on_skipped = getattr(self.reporter, "skipped", None)
+            if self.coalescing.skipped == 1 and on_skipped is not None:
+                on_skipped(self.coalescing.last_sent, engine.step, checkpoint=skipped_checkpoint)
             return
         # Every report carries the latest evaluation, so a sweep's metric is in each of them.
         metrics = {**self.metrics, **self.last_epoch, **({"done": 1.0} if done else {}), **self.last_eval}

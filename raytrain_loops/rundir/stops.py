@@ -1,6 +1,6 @@
 """A stop that a retry cannot fix, agreed by every worker through the run's store.
 
-The engine's errors of the :class:`~raytrain_loops.engine.update.guards.TrainingError` family come from
+The engine's errors of the :class:`~raytrain_loops.errors.TrainingError` family come from
 all-reduced values, so every worker raises them at the same step; every worker then ends the
 attempt normally (no retry) and the driver raises :class:`TrainingStopped`. A ``TrainingError``
 raised by one worker alone (a task's criterion or a callback deciding from its own values)

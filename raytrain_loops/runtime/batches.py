@@ -1,7 +1,7 @@
 """One worker's batches of a run's splits, without Ray: Parquet splits in the epoch's order of
 :mod:`raytrain_loops.data.parquet`, map-style splits by :class:`~raytrain_loops.data.MapBatches`.
 The loop's :class:`~raytrain_loops.engine.loop.BatchSource` for a Ray worker
-(:mod:`raytrain_loops.worker.batches`, which hands a task's ``preprocess`` to Ray tasks) and for a
+(:mod:`raytrain_loops.worker.preprocessing`, which hands a task's ``preprocess`` to Ray tasks) and for a
 local run (which applies it in its own process, :func:`preprocessed_here`)."""
 
 from __future__ import annotations

@@ -28,10 +28,9 @@ from raytrain_loops.console.feed import Sender
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import sharding
 from raytrain_loops.engine.loop import Position
-from raytrain_loops.engine.update.guards import TrainingError
-from raytrain_loops.errors import TrainingStopped
+from raytrain_loops.errors import TrainingError, TrainingStopped
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
-from raytrain_loops.runtime.evaluation import evaluate_checkpoint
+from raytrain_loops.runtime.evaluate import evaluate_checkpoint
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.tasks import Task
 
@@ -115,7 +114,7 @@ def _prepare_model(module: torch.nn.Module, task: Task, config: Config) -> tuple
 def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
     """Run the loop in this process as the only worker; return the last reported metrics and the
     newest checkpoint. The task's own errors are raised here with their own tracebacks; an
-    error of the :class:`~raytrain_loops.engine.update.guards.TrainingError` family (non-finite values,
+    error of the :class:`~raytrain_loops.errors.TrainingError` family (non-finite values,
     a loss spike) as :class:`~raytrain_loops.errors.TrainingStopped`, as on Ray."""
     device = local_device(payload.config)
     display = Display()
@@ -129,7 +128,7 @@ def train_local(payload: WorkerPayload) -> tuple[dict[str, Any], str | None]:
 
 def evaluate_local(payload: WorkerPayload) -> dict[str, Any]:
     """``raytrain-loops evaluate --local``: ``payload.init_checkpoint`` evaluated in this process as
-    the only worker (:func:`~raytrain_loops.runtime.evaluation.evaluate_checkpoint`), with a local
+    the only worker (:func:`~raytrain_loops.runtime.evaluate.evaluate_checkpoint`), with a local
     run's model preparation and batches."""
     device = local_device(payload.config)
     with _callers_state():

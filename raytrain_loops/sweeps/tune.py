@@ -86,8 +86,9 @@ def trial_base(base: Config, sweep: SweepConfig, sweep_dir: str) -> Config:
     return replace(base, **changes)
 
 
-class _Relay:
-    """A Ray Train callback (runs in the Train controller) passing each report to the trial."""
+class ForwardReports:
+    """Passes each report of a trial's Train run to the trial (its queue); a Ray Train callback as
+    ``ForwardReportsCallback``, run in the Train controller."""
 
     def __init__(self, queue):
         self.queue = queue
@@ -101,7 +102,7 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
     from ray import tune
     from ray.train.v2.api.callback import UserCallback
 
-    class Relay(_Relay, UserCallback):
+    class ForwardReportsCallback(ForwardReports, UserCallback):
         pass
 
     config = trial_config(payload["base"], values)
@@ -115,17 +116,17 @@ def _trial(values: dict[str, Any], payload: dict[str, Any]) -> None:
     tags = {"sweep": payload["sweep"], "trial": trial}
     # Tune ends a trial it stops (at an ASHA rung, or at max_t) with SIGTERM: a normal end.
     with tracked(payload["tracking"], run_dir, name, config, tags, stopped="FINISHED") as mlflow_run:
-        _relay(config, payload, name, run_dir, init, mlflow_run, Relay)
+        _run_trial(config, payload, name, run_dir, init, mlflow_run, ForwardReportsCallback)
 
 
-def _relay(
+def _run_trial(
     config: Config,
     payload: dict[str, Any],
     name: str,
     run_dir: str,
     init: str | None,
     mlflow_run: TrackedRun | None,
-    relay: type,
+    forward_reports: type,
 ) -> None:
     """Run the trial's TorchTrainer on a thread and pass its reports on to Tune; the run directory
     made complete (``config.yaml`` first, ``summary.json`` and ``curves.png`` when the run ends;
@@ -147,7 +148,7 @@ def _relay(
         payload["rows"],
         name,
         run_dir,
-        callbacks=[relay(queue)],
+        callbacks=[forward_reports(queue)],
         init_checkpoint=init,
         board=board,
         tracking=mlflow_run,
@@ -248,10 +249,10 @@ def _search(sweep: SweepConfig, concurrency: int):
     return BasicVariantGenerator(random_state=sweep.search.seed, max_concurrent=concurrency, points_to_evaluate=points)
 
 
-class TrialLines:
+class TrialProgress:
     """A Tune callback (on the driver): one line per trial result and per trial's end, saying
     whether it ran its whole length or the scheduler stopped it. Built into a ``tune.Callback``
-    by :func:`trial_lines`; pickled with the sweep without its display: a resumed sweep's lines go
+    by :func:`trial_progress`; pickled with the sweep without its display: a resumed sweep's lines go
     to the display of the sweep running now (``shown_on``)."""
 
     shown_on = None  # the display of the sweep running in this process
@@ -261,7 +262,7 @@ class TrialLines:
         self.display, self.metric, self.length, self.sweep_dir = display, metric, length, sweep_dir
 
     def _line(self, text: str) -> None:
-        display = self.display or TrialLines.shown_on
+        display = self.display or TrialProgress.shown_on
         if display is None:
             print(text, flush=True)
         else:
@@ -288,14 +289,14 @@ class TrialLines:
         return {**self.__dict__, "display": None}
 
 
-def trial_lines(display, metric: str, length: int, sweep_dir: str | None = None):
-    """:class:`TrialLines` as a ``ray.tune.Callback``."""
+def trial_progress(display, metric: str, length: int, sweep_dir: str | None = None):
+    """:class:`TrialProgress` as a ``ray.tune.Callback`` (``TrialProgressCallback``)."""
     from ray import tune as rt
 
-    class Lines(TrialLines, rt.Callback):
+    class TrialProgressCallback(TrialProgress, rt.Callback):
         pass
 
-    return Lines(display, metric, length, sweep_dir)
+    return TrialProgressCallback(display, metric, length, sweep_dir)
 
 
 class _Decisions(logging.Handler):
@@ -403,13 +404,13 @@ def tune(
         decisions = _Decisions(console.display)
         pbt_logger = logging.getLogger("ray.tune.schedulers.pbt")
         pbt_logger.addHandler(decisions)
-        TrialLines.shown_on = console.display
+        TrialProgress.shown_on = console.display
         try:
             if rt.Tuner.can_restore(sweep_dir):
                 print(f"resuming the sweep in {sweep_dir}", flush=True)
                 tuner = rt.Tuner.restore(sweep_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
             else:
-                lines = [trial_lines(console.display, sweep.metric, length, sweep_dir)]
+                lines = [trial_progress(console.display, sweep.metric, length, sweep_dir)]
                 at_once = concurrency(sweep, per_trial)
                 tuner = _tuner(trainable, sweep, storage.name(sweep_dir), root, length, at_once, lines, verbose)
             with console.prints_to_log():
@@ -417,7 +418,7 @@ def tune(
                 _cleaners_done()
         finally:
             pbt_logger.removeHandler(decisions)
-            TrialLines.shown_on = None
+            TrialProgress.shown_on = None
     interrupted = unended(results)
     if tracking is not None:
         failed = {storage.name(r.path) for r in results if r.error is not None}

@@ -171,7 +171,7 @@ class Task:
         over all workers' batches (a dict result adds its keys, a scalar its name)."""
         return {}
 
-    # ---- what the run pins, and what travels to preprocessing (driver/run_dir.py, worker/batches.py)
+    # ---- what the run pins, and what travels to preprocessing (driver/run_checks.py, worker/preprocessing.py)
 
     def artefacts(self) -> dict[str, bytes]:
         """Files the model's weights depend on beyond the config (a tokenizer, a model's

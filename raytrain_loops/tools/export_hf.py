@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrain_loops.checkpoint import whole_model
 from raytrain_loops.config import ConfigError
-from raytrain_loops.driver.run_dir import read_pinned
+from raytrain_loops.driver.run_checks import read_pinned
 from raytrain_loops.rundir.layout import ARTEFACTS, ARTEFACTS_FILE
 
 

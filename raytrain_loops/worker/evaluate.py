@@ -1,5 +1,5 @@
 """What Ray Train runs on every worker of ``raytrain-loops evaluate``: the checkpoint evaluated as
-in any process (:func:`raytrain_loops.runtime.evaluation.evaluate_checkpoint`) with the Ray parts
+in any process (:func:`raytrain_loops.runtime.evaluate.evaluate_checkpoint`) with the Ray parts
 of a training worker (the model under DDP or FSDP2, the preprocessing tasks); rank 0 hands the
 metrics to the driver's :class:`MetricsBox` (Ray Train keeps only the metrics of reports that
 carry a checkpoint, and an evaluation writes none)."""
@@ -12,9 +12,9 @@ import ray
 import ray.train
 import ray.train.torch
 
-from raytrain_loops.runtime.evaluation import evaluate_checkpoint
+from raytrain_loops.runtime.evaluate import evaluate_checkpoint
 from raytrain_loops.runtime.wiring import WorkerPayload
-from raytrain_loops.worker.batches import ray_batches
+from raytrain_loops.worker.preprocessing import ray_batches
 from raytrain_loops.worker.train import dataset_shards, prepare_model
 
 PUT_TIMEOUT_S = 60.0

@@ -1,6 +1,6 @@
 """What Ray Train runs on every worker: the loop wired as in any process
 (:func:`raytrain_loops.runtime.wiring.wire`) with its Ray parts: the model under DDP (Ray's
-``prepare_model``) or FSDP2, this worker's batches (``worker/batches.py``), a reporter that writes
+``prepare_model``) or FSDP2, this worker's batches (``worker/preprocessing.py``), a reporter that writes
 checkpoint files and calls ``ray.train.report`` (``checkpoint/ray_reporter.py``), and the stops a
 retry cannot fix.
 
@@ -25,12 +25,11 @@ from raytrain_loops.config import Config
 from raytrain_loops.console.feed import Sender
 from raytrain_loops.data.reach import check_here
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.update.guards import GroupBrokenError, TrainingError
-from raytrain_loops.errors import Stopped
+from raytrain_loops.errors import GroupBrokenError, Stopped, TrainingError
 from raytrain_loops.runtime.wiring import WorkerPayload, wire
 from raytrain_loops.streams import close
 from raytrain_loops.tasks import DatasetSplit, Task
-from raytrain_loops.worker.batches import PREPROCESSED_ON, ray_batches
+from raytrain_loops.worker.preprocessing import PREPROCESSED_ON, ray_batches
 
 __all__ = ["WorkerPayload", "train_loop_per_worker"]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from raytrain_loops.engine.api import LossOutput
 from raytrain_loops.engine.distributed import collectives, sharding
-from raytrain_loops.engine.update.guards import GradSyncError, GroupBrokenError, TrainingError
+from raytrain_loops.errors import GradSyncError, GroupBrokenError, TrainingError
 
 __all__ = ["Strategy", "check_grad_sync"]
 

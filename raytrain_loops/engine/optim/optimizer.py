@@ -114,7 +114,7 @@ def frozen_params(module: nn.Module, freeze: Any) -> list[nn.Parameter]:
     return frozen
 
 
-def optimizer_scaler_ema(
+def build_optimizer_scaler_ema(
     module: nn.Module,
     config: EngineConfig,
     device: torch.device,

@@ -1,4 +1,5 @@
-"""Errors the step raises, and the detectors that name where a non-finite value came from."""
+"""The detectors of the step: an out-of-memory error from any backend, and where a non-finite
+value came from (the errors the step raises are in :mod:`raytrain_loops.errors`)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
-
-class TrainingError(RuntimeError):
-    """A failure that retrying the same run cannot fix (every worker raises it together)."""
-
-
-class NonFiniteError(TrainingError):
-    """A loss or gradient was NaN or infinite."""
-
-
-class OOMError(TrainingError):
-    """Out of memory in forward or backward, beyond what the OOM policy allows."""
-
-
-class GradSyncError(TrainingError):
-    """Workers hold different gradients after DDP's all-reduce: they would drift apart."""
-
-
-class LossScaleError(TrainingError):
-    """The fp16 loss scale fell below its floor: the loss overflows even at a tiny scale."""
-
-
-class GroupBrokenError(RuntimeError):
-    """This worker cannot complete the step's collectives with the others (an OOM while DDP's
-    gradient all-reduce was under way): not a :class:`TrainingError`, so Ray restarts the whole
-    group from the last checkpoint instead of leaving the others waiting."""
 
 
 def is_oom(err: BaseException) -> bool:
@@ -82,9 +57,5 @@ def first_nonfinite_grad(model: nn.Module) -> str | None:
         if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all()):
             return name
     return None
-
-
-class LossSpikeError(TrainingError):
-    """The loss jumped far above its recent mean: the run diverged."""
 
 

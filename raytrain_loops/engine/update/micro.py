@@ -11,7 +11,7 @@ RNG states and the model's buffers put back as they were before the first try
 ``loss.reduction=sum`` the update does not depend on how the rows are split, and under ``mean``
 the halves are equal (an uneven split is never made). ``splits`` stays for the rest of the run: the
 engine's checkpoint counters hold it, and a group restarted after an OOM that broke its
-collectives (:class:`~raytrain_loops.engine.update.guards.GroupBrokenError`, which only the
+collectives (:class:`~raytrain_loops.errors.GroupBrokenError`, which only the
 failing worker sees) starts from what that worker recorded before raising (``on_resize``, which
 the wiring points at the run directory). Data positions count the loop's batches, whose size
 does not change, so they do not depend on ``splits``.
@@ -28,7 +28,7 @@ import torch
 
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.engine.update.guards import TrainingError
+from raytrain_loops.errors import TrainingError
 
 __all__ = ["Attempt", "MicroBatches", "Resize", "SplitError", "batch_rows", "split_batch"]
 

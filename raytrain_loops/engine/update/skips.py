@@ -17,15 +17,10 @@ from raytrain_loops.engine.devices import to_device
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.distributed.strategy import Strategy
 from raytrain_loops.engine.update.decision import Decision
-from raytrain_loops.engine.update.guards import (
-    LossScaleError,
-    NonFiniteError,
-    OOMError,
-    first_nonfinite_grad,
-    first_nonfinite_module,
-)
+from raytrain_loops.engine.update.guards import first_nonfinite_grad, first_nonfinite_module
 from raytrain_loops.engine.update.precision import autocast
 from raytrain_loops.engine.update.sums import LocalSums
+from raytrain_loops.errors import LossScaleError, NonFiniteError, OOMError
 
 __all__ = ["REASONS", "Skips", "describe_nonfinite", "reruns"]
 

@@ -24,14 +24,15 @@ from raytrain_loops.engine.length import accum_steps
 from raytrain_loops.engine.meters import Meters
 from raytrain_loops.engine.optim import schedules
 from raytrain_loops.engine.optim.clip import clip_and_normalise
-from raytrain_loops.engine.optim.optimizer import apply_values, frozen_params, keep_kernel, optimizer_scaler_ema
+from raytrain_loops.engine.optim.optimizer import apply_values, build_optimizer_scaler_ema, frozen_params, keep_kernel
 from raytrain_loops.engine.rng import rng_state, set_rng_state
 from raytrain_loops.engine.update.decision import Decision, Reduced, decide
-from raytrain_loops.engine.update.guards import GroupBrokenError, is_oom
+from raytrain_loops.engine.update.guards import is_oom
 from raytrain_loops.engine.update.micro import MicroBatches, SplitFn
 from raytrain_loops.engine.update.precision import autocast
 from raytrain_loops.engine.update.skips import REASONS, Skips, describe_nonfinite, reruns
 from raytrain_loops.engine.update.sums import LocalSums
+from raytrain_loops.errors import GroupBrokenError
 
 __all__ = ["Engine"]
 
@@ -87,7 +88,7 @@ class Engine:
         self._mean = config.loss.reduction == "mean"
         # accum.micro_batch=auto: each batch split into micro.splits, doubled on an OOM anywhere.
         self.micro = MicroBatches(config.accum.micro_batch == "auto", self._mean, split_batch)
-        self.optimizer, self.scaler, self.ema = optimizer_scaler_ema(
+        self.optimizer, self.scaler, self.ema = build_optimizer_scaler_ema(
             self.module,
             config,
             self.device,

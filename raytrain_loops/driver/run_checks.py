@@ -389,18 +389,18 @@ def pin_model(run_dir: str, fingerprint: dict[str, Any] | None) -> None:
 
 
 @dataclass
-class Finished:
+class FinishedRun:
     """A run that already reached its last step: its summary and final checkpoint."""
 
     summary: dict[str, Any]
     checkpoint: str
 
 
-def finished(run_dir: str, final_step: int | None) -> Finished | None:
+def finished_run(run_dir: str, final_step: int | None) -> FinishedRun | None:
     """The run's summary when it finished: ``summary.json`` says done, and its newest checkpoint
     is intact and at ``final_step`` (None: at the summary's step, for a rerun that changed no key
     of the run's length: only its scale, whose steps per epoch differ). None when there is
-    training left to do. The summary is the last start's: :func:`unfinish` removes it when the run
+    training left to do. The summary is the last start's: :func:`remove_summary` removes it when the run
     trains again, so a longer rerun interrupted before it ends leaves no summary to trust."""
     text = storage.read_text(storage.join(run_dir, SUMMARY))
     summary = json.loads(text) if text else None
@@ -416,10 +416,10 @@ def finished(run_dir: str, final_step: int | None) -> Finished | None:
             verify(storage.download_dir(paths[-1], tmp))
         except CheckpointError:
             return None  # the workers will redo the last steps from the checkpoint before
-    return Finished(summary, paths[-1])
+    return FinishedRun(summary, paths[-1])
 
 
-def unfinish(run_dir: str) -> None:
+def remove_summary(run_dir: str) -> None:
     """Remove the summary of an earlier start before the run trains again: until this start
     writes its own, the run is not finished (its ``config.yaml`` may now ask for more steps)."""
     storage.delete(storage.join(run_dir, SUMMARY))
