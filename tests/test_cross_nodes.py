@@ -81,6 +81,7 @@ def _where(run_dir: str) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.ray
+@pytest.mark.timeout(480)  # two 2-worker runs, a conversion and a rerun on the two-node bed
 def test_hf_lm_and_seamseg_on_converted_coco_train_and_preprocess_on_both_nodes_from_the_bucket(cluster, tmp_path):
     text = _corpus(tmp_path / "text" / "a.jsonl", 200, 0, "the list")
     cluster.ensure_second()
