@@ -21,6 +21,7 @@ from raytrain_loops.engine.loop import evaluate
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tasks.detection import MeanAveragePrecision, generalized_box_iou, hungarian_match
+from raytrain_loops.tasks.images import Block
 from tests import fakes
 from tests.gloo import run_gloo
 
@@ -154,6 +155,12 @@ def test_detr_recipe_is_built_in_with_its_command():
     cfg = load_config(resolve("detr"), [])
     assert (cfg.clip.mode, cfg.nonfinite.policy, cfg.optim.param_groups) == ("global", "stop", "task")
     assert cfg.schedules["lr"].kind == "step"
+    # The recipe's backbone is the ResNet-style stack; depth 0 keeps the four plain conv blocks.
+    params = {**cfg.task.params, **SMALL}
+    body = build_task("detr", params).build_model().backbone.body
+    assert sum(isinstance(m, Block) for m in body) == 3 * params["depth"] >= 3, body
+    old = build_task("detr", {**params, "depth": 0}).build_model().backbone.body
+    assert len(old) == 4 and not any(isinstance(m, Block) for m in old), old
 
 
 def test_detr_recipe_end_to_end_logs_its_terms_and_improves(tmp_path):
