@@ -1,11 +1,11 @@
 """DETR set prediction on the generated ``shapes`` data (raytrain_loops/data/shapes.py).
 
 A small ResNet-style backbone of stride 8 (:class:`Backbone`: a stride-2 stem and three stages
-of ``depth`` basic residual blocks at ``width``, 2x and 4x its channels; ``depth=0`` is the
-earlier stack of four plain conv blocks), a Transformer encoder layer over its feature map with
-learned 2-D position embeddings, and an ``nn.TransformerDecoder`` over ``num_queries`` learned
-queries; class and box heads (shared) read every decoder layer, so the last gives the
-predictions and the others the auxiliary outputs. Each image's predictions are matched one-to-one to its objects by
+of ``depth`` basic residual blocks at ``width``, 2x and 4x its channels; ``depth=0`` makes it a
+plain stack of four conv blocks), a Transformer encoder layer over its feature map with learned
+2-D position embeddings, and an ``nn.TransformerDecoder`` over ``num_queries`` learned queries;
+class and box heads (shared) read every decoder layer, so the last gives the predictions and the
+others the auxiliary outputs. Each image's predictions are matched one-to-one to its objects by
 the Hungarian algorithm on class + L1 + GIoU costs. The loss is DETR's weighted sum of terms:
 ``loss_ce`` (cross-entropy over all queries, the no-object class down-weighted by ``eos_coef``),
 ``loss_bbox`` (L1) and ``loss_giou`` (1 - GIoU) of the matched pairs, and their ``_<i>`` copies
