@@ -164,7 +164,7 @@ def test_detr_trains_on_a_converted_coco_directory(coco, tmp_path):
     train = task.preprocess(batch, True)
     assert all(((b >= 0) & (b <= 1)).all() for b in train["boxes"]) and train["image"].shape == (3, 3, 40, 40)
     steps, _, _ = _train("detr", tmp_path, "task.params.data=coco", f"task.params.source={converted}",
-                         "task.params.size=32", "task.params.depth=1", "loop.max_steps=4")  # fmt: skip
+                         "task.params.size=32", "loop.max_steps=4")  # fmt: skip
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
 

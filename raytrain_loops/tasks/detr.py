@@ -1,6 +1,8 @@
 """DETR set prediction on the generated ``shapes`` data (raytrain_loops/tasks/datasets/shapes.py).
 
-A small CNN backbone (stride 8), a Transformer encoder layer over its feature map with learned
+A small ResNet-style backbone of stride 8 (:class:`Backbone`: a stride-2 stem and three stages
+of ``depth`` basic residual blocks at ``width``, 2x and 4x its channels; ``depth=0`` makes it a
+plain stack of four conv blocks), a Transformer encoder layer over its feature map with learned
 2-D position embeddings, and an ``nn.TransformerDecoder`` over ``num_queries`` learned queries;
 class and box heads (shared) read every decoder layer, so the last gives the predictions and the
 others the auxiliary outputs. Each image's predictions are matched one-to-one to its objects by
@@ -59,7 +61,7 @@ class Backbone(nn.Module):
     three stages of ``depth`` basic residual blocks each (``width``, 2x and 4x its channels; the
     second and third stages start at stride 2)."""
 
-    def __init__(self, width: int, depth: int = 0):
+    def __init__(self, width: int, depth: int = 1):
         super().__init__()
 
         def block(cin, cout, stride):
@@ -105,7 +107,7 @@ class DETR(nn.Module):
         width: int,
         size: int,
         dropout: float,
-        depth: int = 0,
+        depth: int = 1,
     ):
         super().__init__()
         self.backbone = Backbone(width, depth)
@@ -190,7 +192,7 @@ class DetrTask(Task):
         cost_giou: float = 2.0,
         backbone_lr_scale: float = 0.1,
         aux_loss: bool = True,
-        depth: int = 0,
+        depth: int = 1,
         backbone_weights: str = "",
         data: str = "shapes",
         source: str = "",
