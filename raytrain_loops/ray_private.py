@@ -6,7 +6,7 @@ without it, and has one accessor below returning the object, or None where the i
 lacks it. A part with a fallback (the feature goes on as Ray itself behaves) says so once per
 process on the ``raytrain_loops.ray_private`` logger, which the driver's console writes to
 ``ray.log`` and a worker's output reaches through Ray's forwarding; the cluster lint's parts
-have none (the lint reports a problem instead). ``tests/test_ray_private.py`` resolves every
+have none (the lint reports a problem instead). ``tests/ray/test_ray_private_parts.py`` resolves every
 entry against the installed Ray and checks that no other module imports a private part of Ray:
 it is the first test to run on a newer Ray (the README's paragraph "Ray.").
 

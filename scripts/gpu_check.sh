@@ -43,6 +43,6 @@ part "the step's parts, lm_gpt at full size (3 runs)" 75 \
     "$PY" scripts/bench_feed.py --size full --device cuda --parts step --runs 3 --steps 10 --warmup 3
 part "lm_gpt: DDP and FSDP2, compile off and on" 200 \
     "$PY" scripts/bench_gpu.py --strategies ddp fsdp --compiles off on --warmup 3 --steps 10 --batches 30
-part "gpu-marked tests" 260 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_memory_plan.py -p no:cacheprovider
+part "gpu-marked tests" 260 "$PY" -m pytest -q -m gpu tests/engine/test_cuda_engine.py tests/engine/test_memory_plan.py -p no:cacheprovider
 echo "figures: $log" | tee -a "$log"
 exit "$status"

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The object-store tests talk to a local S3 API (tests/test_store_s3.py). pyarrow's S3 client signs its
+# The object-store tests talk to a local S3 API (tests/checkpoint/test_run_dir_on_s3.py). pyarrow's S3 client signs its
 # requests, here and in Ray's workers, which take the environment of the process that starts
 # the session's Ray: set before any test runs.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -53,10 +53,10 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The multi-node test bed (tests/multinode.py): a Ray head with token auth and a moto S3
+    """The multi-node test bed (tests/support/multinode.py): a Ray head with token auth and a moto S3
     server, started once for every multi-node test; each test starts, drains and stops the second
     node (its own mount namespace: it sees none of the head's files) as it needs."""
-    from tests.multinode import running_cluster
+    from tests.support.multinode import running_cluster
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray

@@ -6,7 +6,7 @@ Ray reports a death in text only: the Train controller's failed health check
 pid=...))" and the ``ActorDiedError`` it caught, whose text holds the GCS's death cause, "Worker exit
 type: SYSTEM_ERROR Worker exit detail: ..."), and the raylet's message to the driver for a worker
 that died running a task. The shapes parsed here are Ray 2.60's: a kill, an exit, the memory
-monitor's kill and a node's end as ``tests/fixtures/ray_deaths.json`` keeps them (captured from
+monitor's kill and a node's end as ``tests/support/fixtures/ray_deaths.json`` keeps them (captured from
 Ray), the rest as Ray's source words them; a shape not recognised is shown by its first line,
 shortened, with the pointer to ``ray.log``. Ray-free: the errors are told by their class
 names, as :mod:`raytrain_loops.errors` tells ``RayTaskError``.

@@ -15,7 +15,7 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine.loop import Callback, Loop, LoopSettings
 from raytrain_loops.runtime import wiring
 from raytrain_loops.tasks.base import Task
-from tests import fakes
+from tests.support import fakes
 
 
 @contextmanager

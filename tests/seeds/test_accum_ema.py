@@ -16,8 +16,8 @@ from torch import nn
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, LossOutput, schedule_value
 from raytrain_loops.engine.optim import ema as ema_arithmetic
-from tests import fakes
-from tests.test_loop import _run
+from tests.engine.test_loop_cadence import _run
+from tests.support import fakes
 
 LR, MOMENTUM = 0.1, 0.9
 

@@ -31,7 +31,7 @@ from raytrain_loops.engine import Engine, LossOutput
 from raytrain_loops.engine.length import accum_steps
 from raytrain_loops.engine.update.precision import DTYPES
 from raytrain_loops.recipes import resolve
-from tests.gloo import run_gloo
+from tests.support.gloo import run_gloo
 
 UPDATES, WARMUP = 20, 5  # the recipe's 800 updates and 40 of warm-up, shortened alike on both sides
 VOCAB, PAD = 13, 0
