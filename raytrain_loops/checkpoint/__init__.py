@@ -1,8 +1,8 @@
 """Checkpoints: what one holds, how it is written, verified, found, restored, kept and chosen as best.
-write and restore: a reporter (CheckpointReporter; on Ray, ray_reporter.RayReporter); read: read_file,
-whole_model, export, load_backbone; verify: verify, check_sharded; list: checkpoint_dirs, candidates,
-last_checkpoint, exported_checkpoint; retain: retain, BestCheckpoints (on Ray, ray_keep_best.KeepBest).
-Ray-free but for the ray_* modules, which callers import by name."""
+write and restore: a reporter (local_reporter.LocalReporter; on Ray, ray_reporter.RayReporter);
+read: read_file, whole_model, export, load_backbone; verify: verify, check_sharded; list:
+checkpoint_dirs, candidates, last_checkpoint, exported_checkpoint; retain: retain, BestCheckpoints
+(on Ray, ray_keep_best.KeepBest). Ray-free but the ray_* modules, which callers import by name."""
 
 from raytrain_loops.checkpoint.best import BestCheckpoints
 from raytrain_loops.checkpoint.files import (

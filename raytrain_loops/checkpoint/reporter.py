@@ -1,7 +1,7 @@
 """The loop's reporter without Ray's part: a worker's checkpoint files, and the restore of a run's
 newest intact checkpoint, which the workers of a group go through together (their agreement:
 :mod:`raytrain_loops.checkpoint.restore`). A Ray worker's :class:`~raytrain_loops.checkpoint.ray_reporter.RayReporter`
-and a local run's :class:`~raytrain_loops.runtime.local.LocalReporter` build on it; the files
+and a local run's :class:`~raytrain_loops.checkpoint.local_reporter.LocalReporter` build on it; the files
 themselves are :mod:`raytrain_loops.checkpoint.files`."""
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from raytrain_loops.checkpoint.local_reporter import LocalReporter
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.config.engine import CompileConfig
 from raytrain_loops.driver.preflight import prepare
@@ -72,7 +73,7 @@ def _wired(tmp_path: Path, *overrides: str):
         sender,
         prepare_model=local._prepare_model,
         batches=functools.partial(local._batches, device=cpu),
-        reporter=functools.partial(local.LocalReporter, run_dir=str(run_dir), config=config, sender=sender),
+        reporter=functools.partial(LocalReporter, run_dir=str(run_dir), config=config, sender=sender),
     )
 
 

@@ -42,7 +42,7 @@ FLOORS = [  # lowest first: a module imports from its own floor and the floors b
 ]
 RAY_FREE_FLOORS = [f"{ROOT}.{f}" for f in ("config", "storage", "streams", "errors", "engine", "callbacks", "data")]
 RAY_FREE_FLOORS += [f"{ROOT}.{f}" for f in ("rundir", "runtime", "console.display", "console.feed", "console.deaths")]
-RAY_FREE_FLOORS += [f"{ROOT}.checkpoint.{m}" for m in ("best", "dcp_io", "files", "listing", "reporter", "restore", "weights")]
+RAY_FREE_FLOORS += [f"{ROOT}.checkpoint.{m}" for m in ("best", "dcp_io", "files", "listing", "local_reporter", "reporter", "restore", "weights")]
 MAX_MODULES = 12
 
 
