@@ -118,3 +118,53 @@ class GroupBrokenError(RuntimeError):
 
 class LossSpikeError(TrainingError):
     """The loss jumped far above its recent mean: the run diverged."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or invalid. ``key`` is the full dotted key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.reason = message
+        super().__init__(f"{key}: {message}" if key else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix.`` put in front of its key."""
+        if not prefix:
+            return self
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.reason)
+
+
+class EvaluateError(ValueError):
+    """What ``evaluate`` was given cannot be evaluated; the message names the path."""
+
+
+class DataError(ValueError):
+    """A data file, directory or column a task needs is missing."""
+
+
+class SplitError(TrainingError):
+    """A batch that cannot be split into micro-batches along its rows (``accum.micro_batch=auto``)."""
+
+
+class TaskReturnError(TypeError):
+    """A task's method returned what the engine cannot take; the message names the method."""
+
+
+class UploadError(OSError):
+    """The store could not be listed or written, or stopped answering."""
+
+
+class SourceError(ValueError):
+    """Bad input in a source, named (the file, the directory, the annotation): nothing was written."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged."""
+
+    refused = False  # set when weights_only refused what the file holds, rather than it being cut or missing
+    partial = False  # set when a load failed after it had begun writing into the engine's state
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be read, or whose tensor does not fit the module (the key named)."""

@@ -19,15 +19,9 @@ from typing import Any
 
 import torch
 
+from raytrain_loops.errors import CheckpointError
+
 STATE = "state.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or damaged."""
-
-    refused = False  # set when weights_only refused what the file holds, rather than it being cut or missing
-    partial = False  # set when a load failed after it had begun writing into the engine's state
-
 
 
 def manifest_name(rank: int) -> str:

@@ -14,13 +14,10 @@ import torch
 from torch import nn
 
 from raytrain_loops import storage
+from raytrain_loops.errors import WeightsError
 
 PREFIXES = ("backbone.", "features.")
 """Where a backbone's keys may stand in a whole model's ``state_dict`` (DINO's model, a classifier)."""
-
-
-class WeightsError(ValueError):
-    """A weights file that cannot be read, or whose tensor does not fit the module (the key named)."""
 
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:

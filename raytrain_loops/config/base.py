@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from raytrain_loops.errors import ConfigError
+
 T = TypeVar("T")
 
 __all__ = [
@@ -30,21 +32,6 @@ __all__ = [
     "parse_override",
     "read_yaml",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown or invalid. ``key`` is the full dotted key."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.reason = message
-        super().__init__(f"{key}: {message}" if key else message)
-
-    def under(self, prefix: str) -> ConfigError:
-        """The same error with ``prefix.`` put in front of its key."""
-        if not prefix:
-            return self
-        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.reason)
 
 
 def at_least(obj: Any, minimum: float, *keys: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from raytrain_loops.data.formats import identity
+from raytrain_loops.errors import UploadError
 
 STAGING_ROOT = "~/.cache/raytrain_loops/staging"
 RECORD = ".uploaded.json"
@@ -29,10 +30,6 @@ PROGRESS_BYTES = 64 << 20
 PROGRESS_EVERY_S = 10.0
 
 T = TypeVar("T")
-
-
-class UploadError(OSError):
-    """The store could not be listed or written, or stopped answering."""
 
 
 def staging_dir(uri: str, root: str | None = None) -> Path:

@@ -24,6 +24,7 @@ from raytrain_loops.checkpoint import CheckpointError, check_sharded, is_sharded
 from raytrain_loops.config import Config, load_config
 from raytrain_loops.driver.preflight import DataError, prepare
 from raytrain_loops.engine.update import precision
+from raytrain_loops.errors import EvaluateError
 from raytrain_loops.rundir.layout import PRECISION_FILE
 from raytrain_loops.runtime.wiring import WorkerPayload
 from raytrain_loops.tasks import BUILTIN_PATHS
@@ -32,10 +33,6 @@ CONFIG_FILE = "config.yaml"
 EVALUATION_ONLY = ["run.max_failures=0", "scaling.min_workers=0", "fault.plan=[]"]
 """What an evaluation leaves out of its run's config: retries, an elastic group, injected faults
 (refused in local mode, meaningless in one evaluation)."""
-
-
-class EvaluateError(ValueError):
-    """What ``evaluate`` was given cannot be evaluated; the message names the path."""
 
 
 def checked_checkpoint(path: str) -> str:

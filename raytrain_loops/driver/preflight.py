@@ -19,13 +19,9 @@ from raytrain_loops.config import Config, ConfigError, to_dict
 from raytrain_loops.driver.run_checks import flatten, meta_model
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
 from raytrain_loops.engine.update.micro import SplitError, batch_rows
+from raytrain_loops.errors import DataError
 from raytrain_loops.runtime.batches import first_batch
 from raytrain_loops.tasks import DatasetSplit, MapSplit, ParquetSplit, Task, build_task, has_preprocess
-
-
-class DataError(ValueError):
-    """A data file, directory or column a task needs is missing."""
-
 
 # Keys that say where and how a run executes, not what it computes: left out of a hashed run
 # name. Scaling (the same recipe is the same run locally and on any number of workers), Ray's

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from raytrain_loops.engine.update.decision import Decision
+from raytrain_loops.errors import TaskReturnError
 
 __all__ = [
     "LossFn",
@@ -117,10 +118,6 @@ def _shown(value: Any) -> str:
         return f"a Tensor of shape {tuple(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
     text = repr(value)
     return f"a {type(value).__name__} ({text[:80]}{'...' if len(text) > 80 else ''})"
-
-
-class TaskReturnError(TypeError):
-    """A task's method returned what the engine cannot take; the message names the method."""
 
 
 def _first_checked(fn: Callable, problem: Callable[[Any], str | None], where: str) -> Callable:

@@ -17,10 +17,10 @@ PACKAGE = Path(raytrain_loops.__file__).parent
 ROOT = "raytrain_loops"
 
 FLOORS = [  # lowest first: a module imports from its own floor and the floors below it, never above
+    f"{ROOT}.errors",  # every error a run raises or stops with, and a failure's root cause as a user reads it
     f"{ROOT}.config",  # typed config
     f"{ROOT}.storage",  # local paths and object-store URIs alike
     f"{ROOT}.streams",  # closing a stream that holds a thread or open files
-    f"{ROOT}.errors",  # the errors a run stops with, and a failure's root cause as a user reads it
     f"{ROOT}.ray_private",  # every private part of Ray that the floors above use
     f"{ROOT}.console",  # the display, the feed actor, the capture of Ray's output
     f"{ROOT}.recipes",  # the built-in recipes

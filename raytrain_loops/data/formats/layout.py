@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_loops import storage
+from raytrain_loops.errors import SourceError
 
 META = "meta.json"
 FORMAT = 1
@@ -24,10 +25,6 @@ SPLIT_NAMES = {"train": "train", "val": "eval", "valid": "eval", "validation": "
 
 # Bands as the tasks decode them: a palette image becomes RGB (RGBA with transparency).
 _PALETTE = {"P": 3, "PA": 4}
-
-
-class SourceError(ValueError):
-    """Bad input in a source, named (the file, the directory, the annotation): nothing was written."""
 
 
 class NotAnImage(ValueError):

@@ -28,16 +28,12 @@ import torch
 
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.rng import rng_state, set_rng_state
-from raytrain_loops.errors import TrainingError
+from raytrain_loops.errors import SplitError
 
 __all__ = ["Attempt", "MicroBatches", "Resize", "SplitError", "batch_rows", "split_batch"]
 
 SplitFn = Callable[[Any, int], list[Any]]
 REMEDY = "a task whose batches hold such values gives Task.split_batch, or runs with accum.micro_batch=fixed"
-
-
-class SplitError(TrainingError):
-    """A batch that cannot be split into micro-batches along its rows (``accum.micro_batch=auto``)."""
 
 
 def _fields(batch: Any) -> Any:
