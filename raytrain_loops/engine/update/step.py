@@ -225,11 +225,12 @@ class Engine:
         # (k of them, or more when an elastic group runs more per worker); mean: their mean.
         divisor = k / accum_steps(self.config.accum, self.epoch) if self.config.accum.reduce == "sum" else k
         local = LocalSums()
+        forward = self._forward(ctx)
         for i, batch in enumerate(micro_batches):
             ctx.micro_index = i
             last = i == k - 1
             if batch is None:
-                _zero_weight(local, self.strategy.join(self._forward(ctx), last))
+                _zero_weight(local, self.strategy.join(forward, last))
                 continue
             batch = to_device(batch, self.device)
             if self.strategy.dummy_batch is None:
@@ -239,13 +240,13 @@ class Engine:
             backward = False
             try:
                 with self.strategy.sync(last):
-                    out = self._forward(ctx)(batch)
+                    out = forward(batch)
                     backward = True
                     self.scaler.scale(out.loss / divisor if self._mean else out.loss).backward()
             except Exception as err:
                 if not is_oom(err):
                     raise
-                self._recover_from_oom(err, ctx, local, backward=backward, last=last)
+                self._recover_from_oom(err, forward, local, backward=backward, last=last)
                 continue
             local.add(i, out)
         self.micro_batches += k
@@ -260,7 +261,7 @@ class Engine:
 
         return forward
 
-    def _recover_from_oom(self, err: BaseException, ctx: StepContext, local: LocalSums, *, backward: bool, last: bool) -> None:
+    def _recover_from_oom(self, err: BaseException, forward: Forward, local: LocalSums, *, backward: bool, last: bool) -> None:
         """After an OOM in a micro-batch's forward/backward: count it (every worker decides alike
         after the all-reduce, ``oom.policy`` or ``accum.micro_batch=auto``), free the memory and
         join the collectives at zero weight; or, when the group cannot go on
@@ -275,7 +276,7 @@ class Engine:
                 torch.cuda.empty_cache()
             if self.micro.auto:  # its zero-weight pass, at the size that just failed, might not fit
                 self.strategy.dummy_batch = self.micro.smaller(self.strategy.dummy_batch)
-            _zero_weight(local, self.strategy.join_after_oom(self._forward(ctx), last, err, self.step))
+            _zero_weight(local, self.strategy.join_after_oom(forward, last, err, self.step))
             self.optimizer.zero_grad(set_to_none=True)
         except GroupBrokenError:
             self.micro.before_restart(self.step)
@@ -317,7 +318,12 @@ class Engine:
         if self._check_sync:
             check_grad_sync(list(reduced.norms), self.config.grad_sync.rtol, self.step)
         clip_and_normalise(
-            grads, reduced.grad_factor, reduced.grad_norm, self.config.clip, across_shards=self.strategy.shards_across_workers
+            grads,
+            reduced.grad_factor,
+            reduced.grad_norm,
+            self.config.clip,
+            across_shards=self.strategy.shards_across_workers,
+            collective_device=self._cdev,
         )
         if self.epoch < self.config.freeze.last_layer_epochs:
             for p in self._frozen:
