@@ -60,6 +60,30 @@ MAX_UNITS = 4096
 """The most windows one train execution covers: past them (a long run of small windows) the next
 execution starts where it ended."""
 
+TASK_ROWS = 8192
+"""The rows one preprocessing task covers at most, in successive whole windows of one epoch (at
+least one window): Ray's own cost of a task (here 20-25 ms from one task's last row to the next
+one's first, on 1 CPU) is paid per task, not per window. Each epoch's first task covers one window,
+so that its first rows come after one window's work (a task's rows come out when it ends, unless
+they fill a block)."""
+
+
+def unit_groups(units: list[tuple[int, int, int]], rows_per_window: float) -> list[list[tuple[int, int, int]]]:
+    """``units`` (epoch, window, rows skipped), in their order, cut into the tasks' groups of
+    successive windows of one epoch: the epoch's first window alone, then up to :data:`TASK_ROWS`
+    rows' worth (at least one window)."""
+    most = max(1, int(TASK_ROWS // max(rows_per_window, 1.0)))
+    groups: list[list[tuple[int, int, int]]] = []
+    for unit in units:
+        last = groups[-1] if groups else None
+        if last is not None and last[-1][0] == unit[0] and last[-1][1] + 1 == unit[1] and not unit[2]:
+            first_of_epoch = len(groups) == 1 or groups[-2][0][0] != unit[0]
+            if len(last) < (1 if first_of_epoch else most):
+                last.append(unit)
+                continue
+        groups.append([unit])
+    return groups
+
 
 def ray_batches(
     task: Task,
@@ -106,17 +130,18 @@ class _Work:
         return _PLANS[key]
 
     def parts(self, units: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        """The preprocessed parts of ``units`` (a batch of epoch, window, rows skipped), each
-        ``rows`` rows at most, marked with their epoch and this process's node."""
+        """The preprocessed parts of ``units`` (one task's group: ``windows`` windows of an epoch
+        from ``window`` on, the first with ``skip`` rows skipped), each ``rows`` rows at most,
+        marked with their epoch and this process's node; the windows are read through one reader."""
         node = ray.get_runtime_context().get_node_id()
-        for epoch, window, skip in zip(units["epoch"].tolist(), units["window"].tolist(), units["skip"].tolist(), strict=True):
-            plan = self.plan(epoch)
-            seeds = (self.seed, epoch)
-            for part in read_and_preprocess(self.task, self.index, plan, [window], window, skip, seeds, self.rows, self.train):
-                n = len(next(iter(part.values())))
-                part[EPOCH] = np.full(n, epoch, dtype=np.int64)
-                part[NODE] = np.full(n, node)
-                yield part
+        epoch, first, count, skip = (int(units[k][0]) for k in ("epoch", "window", "windows", "skip"))
+        plan, seeds = self.plan(epoch), (self.seed, epoch)
+        windows = range(first, first + count)
+        for part in read_and_preprocess(self.task, self.index, plan, windows, first, skip, seeds, self.rows, self.train):
+            n = len(next(iter(part.values())))
+            part[EPOCH] = np.full(n, epoch, dtype=np.int64)
+            part[NODE] = np.full(n, node)
+            yield part
 
 
 def _preprocess_units(units: dict[str, np.ndarray], work: _Work) -> Iterator[dict[str, np.ndarray]]:
@@ -163,7 +188,9 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     from ray.data import ActorPoolStrategy, ExecutionResources, TaskPoolStrategy
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    items = [{"epoch": e, "window": w, "skip": s} for e, w, s in units]
+    per_window = work.first.rows / max(work.first.windows, 1)
+    groups = unit_groups(units, per_window)  # an item each: one task's work
+    items = [{"epoch": g[0][0], "window": g[0][1], "windows": len(g), "skip": g[0][2]} for g in groups]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     args: dict[str, Any] = {"num_cpus": p.num_cpus, "batch_size": 1, "zero_copy_batch": True}
     if p.num_gpus:
