@@ -25,7 +25,9 @@ GPU of the machine (one process each, NCCL), wrapped in DDP or sharded by FSDP2,
 compilation off and on: tokens/s over all GPUs and MFU against their summed bf16 peak, each step
 fed as a worker feeds it (the Parquet batches read and collated, pinned, the next copied to the
 GPU beside the step) and the share of the time spent waiting for them; ``--packing`` overrides the
-recipe's (``fixed``).
+recipe's (``fixed``), ``--attention flex`` keeps each packed sequence to itself with FlexAttention's
+block mask instead of the recipe's boolean mask (``sdpa``; CUDA only; the MFU's FLOPs stay those of
+attention over whole rows).
 ``--device cpu`` runs that table's code on gloo CPU processes with the recipe's task at a small
 width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 
@@ -312,18 +314,23 @@ def strategy_table(args) -> None:
     size = "gpt2" if cuda else "cpu"
     params = task_params(size, args.batches)
     params["packing"] = args.packing or params["packing"]
+    attention = args.attention or params.get("attention", "sdpa")
+    if attention == "flex" and not cuda:
+        raise SystemExit("bench_gpu.py: --attention flex is for CUDA (FlexAttention has no backward on CPU)")
     peak = peak_tflops(args.peak_tflops) if cuda else float("nan")
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
     task = LMTask(**params)
+    LMTask(**{**params, "attention": attention})  # an attention the packing cannot take is refused here
     task.prepare(data_dir)
     flops_per_token = float("nan")
     if cuda:
         sample = load_batches(task, data_dir)[: args.batches]
         flops_per_token = flops_per_step(task, sample) / (sum(b[2] for b in sample) / len(sample))
+    params["attention"] = attention  # after the FLOPs, counted on the meta device with the boolean mask
     name = device_line(torch.device("cuda" if cuda else "cpu"))
     print(f"{world} x {name}, peak {peak:g} TFLOP/s dense bf16 each, torch {torch.__version__}, model {size}")
     print(
-        f"{'strategy':>8} {'compile':>7} {'packing':>8} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
+        f"{'strategy':>8} {'compile':>7} {'packing':>8} {'attn':>5} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
         f"{'MFU':>6} {'wait':>6} {'mem GiB':>7}"
     )
     for strategy in args.strategies:
@@ -347,7 +354,7 @@ def strategy_table(args) -> None:
             r = json.loads(out.read_text())
             mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
             print(
-                f"{strategy:>8} {compiled:>7} {params['packing']:>8} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
+                f"{strategy:>8} {compiled:>7} {params['packing']:>8} {attention:>5} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
                 f"{r['step_ms']:>8.1f} {r['tok_s']:>10.0f} {mfu:>6.1%} {r['wait_share']:>6.1%} {r['mem_gib']:>7.1f}",
                 flush=True,
             )
@@ -378,6 +385,7 @@ def main() -> None:
     ap.add_argument("--strategies", nargs="+", choices=["ddp", "fsdp"], help="the DDP/FSDP table on every GPU")
     ap.add_argument("--compiles", nargs="+", default=["off", "on"], choices=["off", "on"], help="for --strategies")
     ap.add_argument("--packing", choices=["variable", "fixed"], help="for --strategies (default: the recipe's)")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], help="for --strategies (default: the recipe's, sdpa)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo check of --strategies")
     args = ap.parse_args()
     if args.strategies:

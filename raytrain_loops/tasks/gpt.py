@@ -1,6 +1,12 @@
 """The ``lm`` task's model: a GPT of pre-norm blocks with rotary positions and
 ``F.scaled_dot_product_attention(is_causal=True)``, over bytes (a BOS id past them) or over a
 ``vocab`` of tokens with the embedding and the head tied (GPT-2's).
+
+Rows holding several sequences (``fixed`` packing) keep attention inside each: by a boolean mask
+given to ``scaled_dot_product_attention`` (``attention="sdpa"``: a kernel that takes a mask, not
+the flash one), or by FlexAttention's block mask (``attention="flex"``: of its blocks of 128 x 128
+scores, those with no score kept are skipped and those with every score kept run unmasked; a
+fused kernel once compiled, CUDA only for training, as FlexAttention has no backward on CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+ATTENTIONS = ("sdpa", "flex")
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -32,6 +41,16 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
 
 
+def document_block_mask(documents: torch.Tensor) -> BlockMask:
+    """:func:`document_mask` as FlexAttention's block mask (its blocks computed once per batch)."""
+    b, t = documents.shape
+
+    def causal_in_document(batch, head, q, k):
+        return (q >= k) & (documents[batch, q] == documents[batch, k])
+
+    return create_block_mask(causal_in_document, b, None, t, t, device=documents.device)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float):
         super().__init__()
@@ -39,14 +58,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         q, k = rotary(q), rotary(k)
         # Padding sits after each sequence's bytes, so the causal mask alone keeps it out of view;
         # ``mask``: rows holding several sequences (fixed packing), each kept to itself.
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p)
+        if isinstance(mask, BlockMask):  # no dropout here: the task refuses it with attention=flex
+            y = flex_attention(q, k, v, block_mask=mask)
+        else:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -62,7 +84,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x), mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -77,8 +99,13 @@ class GPT(nn.Module):
     (tied, no bias, as GPT-2): ``head.weight`` is ``embed.weight``, one parameter.
     """
 
-    def __init__(self, dim: int, layers: int, heads: int, dropout: float = 0.0, vocab: int | None = None):
+    def __init__(
+        self, dim: int, layers: int, heads: int, dropout: float = 0.0, vocab: int | None = None, attention: str = "sdpa"
+    ):
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
+        self.attention = attention
         self.embed = nn.Embedding(257 if vocab is None else vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -97,7 +124,12 @@ class GPT(nn.Module):
         """Logits for ``tokens``; ``documents`` (each position's sequence number, rows packed with
         several sequences): attention stays causal and inside each sequence."""
         x = self.embed(tokens)
-        mask = None if documents is None else document_mask(documents)
+        if documents is None:
+            mask = None
+        elif self.attention == "flex":
+            mask = document_block_mask(documents)
+        else:
+            mask = document_mask(documents)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.norm(x))

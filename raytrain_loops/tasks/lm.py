@@ -40,7 +40,7 @@ from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.engine.update.micro import split_batch
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 from raytrain_loops.tasks.datasets.tokens import Language, rng_for
-from raytrain_loops.tasks.gpt import GPT
+from raytrain_loops.tasks.gpt import ATTENTIONS, GPT
 
 COLUMNS = ["tokens", "lengths"]
 BOS = 256  # the input before a sequence's first byte; targets are bytes 0-255 only
@@ -229,8 +229,10 @@ class LMTask(Task):
     ``source`` for ``bytes`` only. ``packing``: ``variable`` (batches shaped by their longest
     sequence) or ``fixed`` (every batch ``max_tokens // max_len`` rows of ``max_len`` tokens,
     sequences end to end, attention masked to each; ``max_tokens`` a multiple of ``max_len``):
-    :mod:`raytrain_loops.data.packing`. Compiling is ``compile.enabled`` (``compile.scope=model``
-    for the whole model), not a task parameter.
+    :mod:`raytrain_loops.data.packing`. ``attention`` (``fixed`` packing): how each sequence is kept
+    to itself, ``sdpa`` (a boolean mask) or ``flex`` (FlexAttention's block mask: for CUDA with
+    ``compile.enabled``, no dropout; :mod:`raytrain_loops.tasks.gpt`). Compiling is
+    ``compile.enabled`` (``compile.scope=model`` for the whole model), not a task parameter.
 
     Metrics, in bits per target unit. Bytes: ``bpb`` (bits per byte) in training; ``eval_bpb``
     and ``eval_unigram_bpb`` (the train byte distribution scored on the same validation bytes)
@@ -256,6 +258,7 @@ class LMTask(Task):
         tokens: int | None = None,
         seed: int | None = None,
         packing: str = "variable",
+        attention: str = "sdpa",
     ):
         if compile is not None:
             raise ConfigError(
@@ -264,11 +267,12 @@ class LMTask(Task):
             )
         _check_shape(dim, layers, heads, max_len, max_tokens, val_percent, dropout)
         _check_packing(packing, max_len, max_tokens)
+        _check_attention(attention, packing, dropout)
         generated = _check_data(data, source, {"vocab": vocab, "tokens": tokens, "seed": seed})
         self.dim, self.layers, self.heads, self.dropout = dim, layers, heads, dropout
         self.max_len, self.max_tokens, self.val_percent = max_len, max_tokens, val_percent
         self.source = Path(source).expanduser().resolve() if source else Path(sysconfig.get_paths()["stdlib"])
-        self.data, self.packing = data, packing
+        self.data, self.packing, self.attention = data, packing, attention
         self.row_len = max_len if packing == "fixed" else 0  # fixed: rows of max_len tokens
         self.vocab, self.tokens, self.seed = (generated[k] for k in ("vocab", "tokens", "seed"))
         self.bos = BOS if data == "bytes" else self.vocab - 1
@@ -325,7 +329,7 @@ class LMTask(Task):
         }
 
     def build_model(self) -> nn.Module:
-        return GPT(self.dim, self.layers, self.heads, self.dropout, vocab=self.vocab)
+        return GPT(self.dim, self.layers, self.heads, self.dropout, vocab=self.vocab, attention=self.attention)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)
@@ -389,6 +393,15 @@ def _check_shape(
         raise ConfigError("task.params.val_percent", f"must be in (0, 100); got {val_percent}")
     if not 0.0 <= dropout < 1.0:
         raise ConfigError("task.params.dropout", f"must be in [0, 1); got {dropout}")
+
+
+def _check_attention(attention: str, packing: str, dropout: float) -> None:
+    if attention not in ATTENTIONS:
+        raise ConfigError("task.params.attention", f"must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
+    if attention == "flex" and packing != "fixed":
+        raise ConfigError("task.params.attention", "flex masks rows of several sequences: it needs task.params.packing=fixed")
+    if attention == "flex" and dropout:
+        raise ConfigError("task.params.attention", f"flex takes no attention dropout; task.params.dropout is {dropout}")
 
 
 def _check_packing(packing: str, max_len: int, max_tokens: int) -> None:

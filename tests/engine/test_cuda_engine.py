@@ -244,6 +244,39 @@ def test_parquet_batches_of_a_cuda_worker_are_pinned_and_adam_runs_fused(tmp_pat
     assert engine.step == 1
 
 
+def test_flex_attention_trains_as_the_boolean_mask_does_on_cuda(tmp_path):
+    """``task.params.attention=flex`` against ``sdpa`` on rows of 256 tokens holding several
+    sequences, the same weights: the same loss and gradients (fp32, FlexAttention unfused here,
+    as outside a compiled block), then the same loss after three updates of SGD."""
+    params = {"data": "generated", "vocab": 512, "dim": 64, "layers": 2, "heads": 2, "max_len": 256}
+    params |= {"max_tokens": 1024, "tokens": 20000, "packing": "fixed"}
+    task = LMTask(**params)
+    task.prepare(tmp_path)
+    batches = [tuple(t.cuda() if torch.is_tensor(t) else t for t in b) for b in _rows(task, tmp_path, "train")[:4]]
+    torch.manual_seed(0)
+    sdpa = task.build_model().cuda()
+    flex = LMTask(**{**params, "attention": "flex"}).build_model().cuda()
+    flex.load_state_dict(sdpa.state_dict())
+    losses = {}
+    for name, model in (("sdpa", sdpa), ("flex", flex)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[name] = []
+        for batch in batches:
+            opt.zero_grad()
+            out = task.criterion(model, batch, None)
+            (out.loss / out.sample_size).backward()
+            losses[name].append(out.loss.item() / out.sample_size)
+            if len(losses[name]) == 1:
+                grads = [p.grad.clone() for p in model.parameters()]
+                if name == "sdpa":
+                    first = grads
+                else:
+                    for a, b in zip(grads, first, strict=True):
+                        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+            opt.step()
+    torch.testing.assert_close(torch.tensor(losses["flex"]), torch.tensor(losses["sdpa"]), atol=1e-4, rtol=1e-4)
+
+
 def test_the_next_batch_is_copied_to_the_gpu_beside_the_step():
     """Six steps of a fixed length, each using its batch (64 MiB, pinned): with the copy ahead on
     its side stream they take about six steps and one copy (CUDA events on the step's stream);

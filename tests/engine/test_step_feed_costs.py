@@ -260,6 +260,33 @@ def test_a_fixed_batch_holds_whole_sequences_in_rows_of_max_len_and_each_sees_on
         LMTask(**{**params, "compile": True})
 
 
+def test_flex_attention_gives_the_boolean_masks_logits_and_is_refused_where_it_cannot_serve(tmp_path):
+    """``task.params.attention=flex``: FlexAttention's block mask over rows of 256 tokens (blocks
+    of 128 that cross sequences, and blocks that do not) gives the logits of the boolean mask with
+    the same weights (forward only: FlexAttention has no backward on CPU; the training step's
+    gradients are a ``gpu`` test); refused without fixed packing, with dropout, or unknown."""
+    params = {**GENERATED, "packing": "fixed", "tokens": 4000, "max_len": 256, "max_tokens": 1024}
+    task = LMTask(**params)
+    task.prepare(tmp_path)
+    table = pq.read_table(task.splits(tmp_path)["train"].path).to_pydict()
+    batch = task.collate({"tokens": np.array(table["tokens"][:1], object), "lengths": np.array(table["lengths"][:1], object)})
+    inputs, _, _, documents = batch
+    assert documents.shape == (4, 256) and int(documents.max()) > 4  # several sequences a row
+    torch.manual_seed(0)
+    sdpa = task.build_model().eval()
+    flex = LMTask(**{**params, "attention": "flex"}).build_model().eval()
+    flex.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(flex(inputs, documents), sdpa(inputs, documents), atol=1e-5, rtol=1e-4)
+    for change, match in (
+        ({"packing": "variable"}, r"task\.params\.attention.*needs task\.params\.packing=fixed"),
+        ({"dropout": 0.1}, r"task\.params\.attention.*no attention dropout"),
+        ({"attention": "flash"}, r"task\.params\.attention.*one of sdpa, flex; got 'flash'"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            LMTask(**{**params, "attention": "flex", **change})
+
+
 def test_compile_scope_model_compiles_the_whole_model_and_needs_no_blocks():
     model = LMTask(**GENERATED).build_model()
     prepare_model(model, [], compile_cfg=CompileConfig(enabled=True, scope="model", backend="eager"))
