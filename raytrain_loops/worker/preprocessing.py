@@ -65,14 +65,16 @@ TASK_ROWS = 8192
 least one window): Ray's own cost of a task (here 20-25 ms from one task's last row to the next
 one's first, on 1 CPU) is paid per task, not per window. Each epoch's first task covers one window,
 so that its first rows come after one window's work (a task's rows come out when it ends, unless
-they fill a block)."""
+they fill a block), and an epoch has at least as many tasks as run at once."""
 
 
-def unit_groups(units: list[tuple[int, int, int]], rows_per_window: float) -> list[list[tuple[int, int, int]]]:
+def unit_groups(
+    units: list[tuple[int, int, int]], rows_per_window: float, windows_per_epoch: int, at_once: int
+) -> list[list[tuple[int, int, int]]]:
     """``units`` (epoch, window, rows skipped), in their order, cut into the tasks' groups of
     successive windows of one epoch: the epoch's first window alone, then up to :data:`TASK_ROWS`
-    rows' worth (at least one window)."""
-    most = max(1, int(TASK_ROWS // max(rows_per_window, 1.0)))
+    rows' worth and an ``at_once``-th of an epoch's ``windows_per_epoch`` (at least one window)."""
+    most = max(1, min(int(TASK_ROWS // max(rows_per_window, 1.0)), windows_per_epoch // max(at_once, 1)))
     groups: list[list[tuple[int, int, int]]] = []
     for unit in units:
         last = groups[-1] if groups else None
@@ -188,18 +190,25 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     from ray.data import ActorPoolStrategy, ExecutionResources, TaskPoolStrategy
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    per_window = work.first.rows / max(work.first.windows, 1)
-    groups = unit_groups(units, per_window)  # an item each: one task's work
+    share = max(1, int(_cpus_share(p, world) // max(p.num_cpus, 1e-9)))  # tasks at once on this worker's CPUs
+    actors: tuple[int, int] | None = None
+    if p.actors:
+        actors = (p.actors[0], p.actors[1])
+    elif has_actor_setup(work.task):
+        actors = (1, share)
+    at_once = actors[1] if actors else p.concurrency or share
+    first = work.first
+    groups = unit_groups(units, first.rows / max(first.windows, 1), first.windows, at_once)
     items = [{"epoch": g[0][0], "window": g[0][1], "windows": len(g), "skip": g[0][2]} for g in groups]
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds = ray.data.from_items(items, override_num_blocks=len(items))  # an item each: one task's work
     args: dict[str, Any] = {"num_cpus": p.num_cpus, "batch_size": 1, "zero_copy_batch": True}
     if p.num_gpus:
         args["num_gpus"] = p.num_gpus
     if p.resources:
         args["resources"] = dict(p.resources)
     cpus = None
-    if p.actors or has_actor_setup(work.task):
-        low, high = p.actors or (1, max(1, int(_cpus_share(p, world) // max(p.num_cpus, 1e-9))))
+    if actors:
+        low, high = actors
         args.update(fn_constructor_kwargs={"work": work}, compute=ActorPoolStrategy(min_size=low, max_size=high))
         ds = ds.map_batches(_Preprocessor, **args)
     else:

@@ -78,22 +78,29 @@ def _store_stats(address: str) -> tuple[int, int]:
     return int(stats.object_store_bytes_used), int(stats.spilled_bytes_total)
 
 
-@pytest.mark.parametrize("rows_per_window", [TASK_ROWS / 4, TASK_ROWS / 64, TASK_ROWS * 2.5])
-def test_a_preprocessing_task_covers_an_epochs_first_window_then_up_to_task_rows_of_one_epoch(rows_per_window):
+@pytest.mark.parametrize(
+    ("rows_per_window", "at_once", "sizes"),
+    [
+        (TASK_ROWS / 4, 1, [1, 4, 2] + [1, 4, 4, 4, 3] * 2),
+        (TASK_ROWS / 64, 1, [1, 6] + [1, 15] * 2),
+        (TASK_ROWS * 2.5, 1, [1] * 39),
+        (TASK_ROWS / 64, 8, [1, 2, 2, 2] + ([1] + [2] * 7 + [1]) * 2),
+    ],
+)
+def test_a_preprocessing_task_covers_an_epochs_first_window_then_up_to_task_rows_of_one_epoch(
+    rows_per_window, at_once, sizes
+):
     """The tasks' groups of an execution resumed at window 1 of epoch 0 (10 rows skipped), then two
     whole epochs of 16 windows: in order, each of successive windows of one epoch, the skip in a
     group's first window only; in each epoch one window, then up to TASK_ROWS' worth (at least
-    one window)."""
+    one window), and no larger than an epoch's windows shared among the tasks run at once."""
     units = [(0, w, 10 if w == 1 else 0) for w in range(1, 8)] + [(e, w, 0) for e in (1, 2) for w in range(16)]
-    groups = unit_groups(units, rows_per_window)
+    groups = unit_groups(units, rows_per_window, 16, at_once)
     assert [u for g in groups for u in g] == units
-    most = max(1, int(TASK_ROWS // rows_per_window))
     for g in groups:
-        assert len({u[0] for u in g}) == 1 and not any(u[2] for u in g[1:]) and len(g) <= most
+        assert len({u[0] for u in g}) == 1 and not any(u[2] for u in g[1:])
         assert [u[1] for u in g] == list(range(g[0][1], g[0][1] + len(g)))  # successive windows
-    sizes = [len(g) for g in groups]
-    want = {4: [1, 4, 2] + [1, 4, 4, 4, 3] * 2, 64: [1, 6] + [1, 15] * 2, 1: [1] * len(units)}[most]
-    assert sizes == want
+    assert [len(g) for g in groups] == sizes
 
 
 @pytest.mark.ray
