@@ -190,7 +190,8 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     from ray.data import ActorPoolStrategy, ExecutionResources, TaskPoolStrategy
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    share = max(1, int(_cpus_share(p, world) // max(p.num_cpus, 1e-9)))  # tasks at once on this worker's CPUs
+    cpus_share = _cpus_share(p, world)  # read once: a call to Ray's control store
+    share = max(1, int(cpus_share // max(p.num_cpus, 1e-9)))  # tasks at once on this worker's CPUs
     actors: tuple[int, int] | None = None
     if p.actors:
         actors = (p.actors[0], p.actors[1])
@@ -215,7 +216,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
         if p.concurrency:
             args["compute"] = TaskPoolStrategy(size=p.concurrency)
         else:
-            cpus = _cpus_share(p, world)
+            cpus = cpus_share
         ds = ds.map_batches(_preprocess_units, fn_kwargs={"work": work}, **args)
     ctx = ds.context
     # This worker's node first, where it can place them: its blocks are read there, not fetched.
