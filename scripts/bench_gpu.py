@@ -27,11 +27,17 @@ fed as a worker feeds it (the Parquet batches read and collated, pinned, the nex
 GPU beside the step) and the share of the time spent waiting for them; ``--packing`` overrides the
 recipe's (``fixed``), ``--attention flex`` keeps each packed sequence to itself with FlexAttention's
 block mask instead of the recipe's boolean mask (``sdpa``; CUDA only; the MFU's FLOPs stay those of
-attention over whole rows).
+attention over whole rows), ``--scopes blocks model`` compiles block by block, the whole model, or
+each in a row of its own. ``--profile`` adds, under each row, where the device's time went over 3
+more steps (torch's profiler): its kernels' time against the wall time (the rest is the device
+waiting for the host), that time by kind of kernel (matrix products, attention, the loss, the
+optimizer and clipping, kernels the compiler fused, collectives, copies, other), and the heaviest
+kernels.
 ``--device cpu`` runs that table's code on gloo CPU processes with the recipe's task at a small
 width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 
-    python scripts/bench_gpu.py --strategies ddp fsdp [--compiles off on] [--steps 20]
+    python scripts/bench_gpu.py --strategies ddp fsdp [--compiles off on] [--scopes blocks model]
+        [--attention sdpa flex] [--profile] [--steps 20]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import sysconfig
 import tempfile
@@ -255,6 +262,7 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
             f"precision.dtype={spec['dtype']}",
             f"scaling.strategy={spec['strategy']}",
             f"compile.enabled={spec['compile']}",
+            f"compile.scope={spec['scope']}",
             f"data.dir={spec['data_dir']}",
             *(f"task.params.{k}={v}" for k, v in spec["params"].items()),
         ],
@@ -287,6 +295,13 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
 
     run(spec["warmup"])
     seconds, tokens, waits = run(spec["steps"])
+    kinds = None
+    if spec["profile"]:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            wall = run(PROFILED_STEPS)[0]
+        kinds = device_time(prof.key_averages(), wall) if rank == 0 else None
     totals = torch.tensor([tokens, seconds, waits], dtype=torch.float64, device=device)
     dist.all_reduce(totals)  # tokens of all workers; their seconds (each worker's wall time, averaged below)
     if rank == 0:
@@ -297,9 +312,62 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
             "wait_share": totals[2].item() / totals[1].item(),
             "params_m": sum(p.numel() for p in engine.module.parameters()) / 1e6,
             "mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+            "profile": kinds,
         }
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+PROFILED_STEPS = 3
+"""The steps ``--profile`` records after a row's timed ones."""
+
+# A kernel's kind, by the first pattern its name matches (kernel names differ across torch, CUDA and
+# GPU generations: these are the libraries' and kernels' stems, not whole names).
+KINDS = [
+    ("collectives", r"nccl"),
+    ("copies", r"memcpy|memset"),
+    ("attention", r"flash|fmha|attention|flex|sdpa|_efficient_|cutlassf|pytorch_flash"),
+    ("loss", r"logsoftmax|log_softmax|nll_loss|cross_entropy"),
+    ("optimizer and clipping", r"adam|multi_tensor_apply|foreach|lpnorm"),
+    ("compiler-fused", r"^triton_|triton"),
+    ("matrix products", r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm80_|matmul|wgmma"),
+]
+
+
+def kind_of(kernel: str) -> str:
+    """The kind of a device kernel by its name (:data:`KINDS`), ``other`` when none matches."""
+    name = kernel.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
+
+
+def device_time(averages, wall_s: float, top: int = 6) -> dict:
+    """From torch's profiler's ``key_averages()`` over steps that took ``wall_s``: the device
+    kernels' summed time against the wall time (``busy``: over 1 where streams overlap, such as
+    collectives beside the step), each kind's share of the wall time (:func:`kind_of`), and the
+    ``top`` heaviest kernels with their share. Empty shares on a CPU (no device kernels)."""
+    from torch.autograd import DeviceType
+
+    kernels = [(a.key, a.self_device_time_total / 1e6, a.count) for a in averages if a.device_type != DeviceType.CPU]
+    kernels = [k for k in kernels if k[1] > 0]
+    by_kind: dict[str, float] = {}
+    for name, seconds, _ in kernels:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + seconds
+    heaviest = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {
+        "busy": sum(k[1] for k in kernels) / wall_s,
+        "kinds": {kind: seconds / wall_s for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "heaviest": [(name[:90], seconds / wall_s, count) for name, seconds, count in heaviest],
+    }
+
+
+def profile_lines(p: dict) -> list[str]:
+    """``--profile``'s lines under a row of the strategy table."""
+    if not p["kinds"]:
+        return ["    profile: no device kernels (a CPU run)"]
+    kinds = ", ".join(f"{kind} {share:.1%}" for kind, share in p["kinds"].items())
+    lines = [f"    device kernels {p['busy']:.1%} of the wall time ({PROFILED_STEPS} steps): {kinds}"]
+    lines += [f"      {share:6.1%} x{count:<5} {name}" for name, share, count in p["heaviest"]]
+    return lines
 
 
 def strategy_table(args) -> None:
@@ -314,50 +382,60 @@ def strategy_table(args) -> None:
     size = "gpt2" if cuda else "cpu"
     params = task_params(size, args.batches)
     params["packing"] = args.packing or params["packing"]
-    attention = args.attention or params.get("attention", "sdpa")
-    if attention == "flex" and not cuda:
+    attentions = args.attention or [params.get("attention", "sdpa")]
+    if "flex" in attentions and not cuda:
         raise SystemExit("bench_gpu.py: --attention flex is for CUDA (FlexAttention has no backward on CPU)")
     peak = peak_tflops(args.peak_tflops) if cuda else float("nan")
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
     task = LMTask(**params)
-    LMTask(**{**params, "attention": attention})  # an attention the packing cannot take is refused here
+    for attention in attentions:  # an attention the packing cannot take is refused here
+        LMTask(**{**params, "attention": attention})
     task.prepare(data_dir)
     flops_per_token = float("nan")
     if cuda:
         sample = load_batches(task, data_dir)[: args.batches]
         flops_per_token = flops_per_step(task, sample) / (sum(b[2] for b in sample) / len(sample))
-    params["attention"] = attention  # after the FLOPs, counted on the meta device with the boolean mask
     name = device_line(torch.device("cuda" if cuda else "cpu"))
     print(f"{world} x {name}, peak {peak:g} TFLOP/s dense bf16 each, torch {torch.__version__}, model {size}")
     print(
-        f"{'strategy':>8} {'compile':>7} {'packing':>8} {'attn':>5} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
+        f"{'strategy':>8} {'compile':>7} {'scope':>6} {'packing':>8} {'attn':>5} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
         f"{'MFU':>6} {'wait':>6} {'mem GiB':>7}"
     )
-    for strategy in args.strategies:
-        for compiled in args.compiles:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            out = Path(tempfile.mkdtemp(prefix="bench-gpu-")) / "result.json"
-            spec = dict(
-                device=args.device,
-                params=params,
-                dtype="bf16",
-                strategy=strategy,
-                compile=compiled == "on",
-                data_dir=str(data_dir),
-                batches=args.batches,
-                warmup=args.warmup,
-                steps=args.steps,
-            )
-            mp.spawn(_strategy_worker, args=(world, port, spec, str(out)), nprocs=world, join=True)
-            r = json.loads(out.read_text())
-            mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
-            print(
-                f"{strategy:>8} {compiled:>7} {params['packing']:>8} {attention:>5} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
-                f"{r['step_ms']:>8.1f} {r['tok_s']:>10.0f} {mfu:>6.1%} {r['wait_share']:>6.1%} {r['mem_gib']:>7.1f}",
-                flush=True,
-            )
+    rows = [
+        (strategy, compiled, scope if compiled == "on" else "-", attention)
+        for strategy in args.strategies
+        for compiled in args.compiles
+        for scope in (args.scopes if compiled == "on" else ["-"])
+        for attention in attentions
+    ]
+    for strategy, compiled, scope, attention in rows:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = Path(tempfile.mkdtemp(prefix="bench-gpu-")) / "result.json"
+        spec = dict(
+            device=args.device,
+            params={**params, "attention": attention},  # the FLOPs above: attention over whole rows
+            dtype="bf16",
+            strategy=strategy,
+            compile=compiled == "on",
+            scope=scope if compiled == "on" else "blocks",
+            profile=args.profile,
+            data_dir=str(data_dir),
+            batches=args.batches,
+            warmup=args.warmup,
+            steps=args.steps,
+        )
+        mp.spawn(_strategy_worker, args=(world, port, spec, str(out)), nprocs=world, join=True)
+        r = json.loads(out.read_text())
+        mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
+        print(
+            f"{strategy:>8} {compiled:>7} {scope:>6} {params['packing']:>8} {attention:>5} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
+            f"{r['step_ms']:>8.1f} {r['tok_s']:>10.0f} {mfu:>6.1%} {r['wait_share']:>6.1%} {r['mem_gib']:>7.1f}",
+            flush=True,
+        )
+        if r["profile"] is not None:
+            print("\n".join(profile_lines(r["profile"])), flush=True)
 
 
 def device_line(device: torch.device) -> str:
@@ -379,13 +457,20 @@ def main() -> None:
     )
     ap.add_argument("--batches", type=int, default=200, help="distinct packed batches cycled through")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (dynamic shapes)")
-    ap.add_argument("--profile", action="store_true", help="print each runner's heaviest GPU ops first")
+    ap.add_argument(
+        "--profile", action="store_true", help="the heaviest GPU ops first; --strategies: the device's time by kind"
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     ap.add_argument("--data-dir", default=None, help="where the LM Parquet goes (default: a temporary directory)")
     ap.add_argument("--strategies", nargs="+", choices=["ddp", "fsdp"], help="the DDP/FSDP table on every GPU")
     ap.add_argument("--compiles", nargs="+", default=["off", "on"], choices=["off", "on"], help="for --strategies")
     ap.add_argument("--packing", choices=["variable", "fixed"], help="for --strategies (default: the recipe's)")
-    ap.add_argument("--attention", choices=["sdpa", "flex"], help="for --strategies (default: the recipe's, sdpa)")
+    ap.add_argument(
+        "--scopes", nargs="+", default=["blocks"], choices=["blocks", "model"], help="compile.scope, for --strategies"
+    )
+    ap.add_argument(
+        "--attention", nargs="+", choices=["sdpa", "flex"], help="for --strategies (default: the recipe's, sdpa)"
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo check of --strategies")
     args = ap.parse_args()
     if args.strategies:

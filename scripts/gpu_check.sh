@@ -3,7 +3,7 @@
 # on one H100 or H200, each part under its own time limit:
 #   1. the step's parts on lm_gpt at full size, as the loop runs it, beside a bare loop (scripts/bench_feed.py);
 #   2. lm_gpt's tokens/s and MFU under DDP and FSDP2, compile off and on, each with its data wait share
-#      (scripts/bench_gpu.py --strategies);
+#      and where the device's time went (scripts/bench_gpu.py --strategies --profile);
 #   3. the gpu-marked tests (pinned batches, the copy ahead, fused AdamW, the lm recipe under NCCL, ...).
 # Everything printed also goes to $OUT/gpu_check.txt (a temporary directory when OUT is unset), and
 # bench_feed.py's figures to $OUT/bench_feed_full_cuda.json. PYTHON picks the interpreter (python3).
@@ -41,8 +41,8 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 
 part "the step's parts, lm_gpt at full size (3 runs)" 75 \
     "$PY" scripts/bench_feed.py --size full --device cuda --parts step --runs 3 --steps 10 --warmup 3
-part "lm_gpt: DDP and FSDP2, compile off and on" 200 \
-    "$PY" scripts/bench_gpu.py --strategies ddp fsdp --compiles off on --warmup 3 --steps 10 --batches 30
+part "lm_gpt: DDP and FSDP2, compile off and on" 215 \
+    "$PY" scripts/bench_gpu.py --strategies ddp fsdp --compiles off on --profile --warmup 3 --steps 10 --batches 30
 part "gpu-marked tests" 260 "$PY" -m pytest -q -m gpu tests/engine/test_cuda_engine.py tests/engine/test_memory_plan.py -p no:cacheprovider
 echo "figures: $log" | tee -a "$log"
 exit "$status"
