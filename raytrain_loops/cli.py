@@ -227,6 +227,7 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
         return _error(str(err))
     from raytrain_loops.driver.fit import RunInterrupted
     from raytrain_loops.driver.preflight import DataError
+    from raytrain_loops.sweeps.results import SweepFailed
 
     try:
         if args.command == "tune":
@@ -243,6 +244,10 @@ def _train_or_tune(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"raytrain-loops: {stop}", file=sys.stderr)
         print(f"resume it with the same command: {again}", file=sys.stderr)
         return 128 + stop.signum
+    except SweepFailed as failed:  # everything written; the failed trials named, with their errors
+        print(f"sweep directory: {failed.result.sweep_dir}")
+        print(f"raytrain-loops: tune: {failed}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # a sweep's names the trials the same command resumes
         said = f"{stop}" if str(stop) else f"{args.command} interrupted"
         print(f"raytrain-loops: {said}; the same command runs it again: {again}", file=sys.stderr)

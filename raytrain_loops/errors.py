@@ -18,6 +18,22 @@ def root_cause(err: BaseException) -> str:
     """The innermost meaningful error of a (possibly Ray-wrapped) training failure: its type and
     its own message (without the retry hints Ray Data appends), and, when it was raised in a Ray
     task or actor (a Ray Data preprocessing or read task), which one and on which node."""
+    err, where = _innermost(err)
+    text = f"{root_type(err)}: {own_message(err)}"
+    return f"{text} (in {where})" if where else text
+
+
+def root_type(err: BaseException) -> str:
+    """The type's name of :func:`root_cause`'s error (``InjectedFault``, not Ray's
+    ``RayTaskError(WorkerGroupError)``)."""
+    name = type(_innermost(err)[0]).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        name = name[len("RayTaskError(") : -1]
+    return name
+
+
+def _innermost(err: BaseException) -> tuple[BaseException, str]:
+    """The innermost meaningful error of ``err`` and where Ray says it was raised ('' if not)."""
     where = ""
     while True:
         worker_failures = getattr(err, "worker_failures", None)
@@ -27,13 +43,8 @@ def root_cause(err: BaseException) -> str:
         where = _where(err) or where
         cause = getattr(err, "cause", None) or err.__cause__
         if not isinstance(cause, BaseException) or cause is err:
-            break
+            return err, where
         err = cause
-    name = type(err).__name__
-    if name.startswith("RayTaskError(") and name.endswith(")"):
-        name = name[len("RayTaskError(") : -1]
-    text = f"{name}: {own_message(err)}"
-    return f"{text} (in {where})" if where else text
 
 
 def own_message(err: BaseException) -> str:

@@ -5,6 +5,7 @@ its trial's directory."""
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from raytrain_loops.checkpoint import last_checkpoint
 from raytrain_loops.config.run import Config, RunConfig
 from raytrain_loops.config.sweep import SweepConfig, trial_config
 from raytrain_loops.driver.fit import write_summary
+from raytrain_loops.errors import root_cause, root_type
 from raytrain_loops.rundir.layout import SUMMARY
 
 # What Tune adds to a trial's results, beside the run's own metrics.
@@ -24,12 +26,29 @@ TUNE_KEYS = ("trial_id", "experiment_tag", "done", "trial_run", "warmup_time", "
 
 @dataclass
 class SweepResult:
-    """What a finished sweep left: its directory, the best trial's values and metric."""
+    """What a finished sweep left: its directory, the best trial's values and metric (None and
+    NaN when no trial ended without an error and with a finite metric: then no ``best.yaml``)."""
 
     sweep_dir: str
-    best_values: dict[str, Any]
+    best_values: dict[str, Any] | None
     best_metric: float
     table: Any  # pandas.DataFrame of all trials
+
+
+class SweepFailed(RuntimeError):
+    """A sweep that ended with failed trials, raised once everything it writes is written:
+    ``failed`` maps each failed trial to its error's line and where its error file is; ``result``
+    is what the sweep wrote (``best.yaml`` from the trials that did not fail, when one did not)."""
+
+    def __init__(self, result: SweepResult, failed: dict[str, str], trials: int):
+        said = "; ".join(f"{trial}: {line}" for trial, line in failed.items())
+        after = (
+            f"best.yaml is the best of the {trials - len(failed)} others"
+            if result.best_values is not None
+            else "no trial ended without an error: no best recipe was written"
+        )
+        super().__init__(f"{len(failed)} of {trials} trials of the sweep in {result.sweep_dir} failed ({said}); {after}")
+        self.result, self.failed, self.trials = result, failed, trials
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -67,6 +86,38 @@ def copy_error(error_file: str | None, sweep_dir: str | None, trial: str) -> str
     return dest
 
 
+def failed_trials(results, sweep_dir: str) -> dict[str, str]:
+    """The trials that ended in an error: each one's error (its root cause, on one line) and the
+    file that holds it, in the trial's directory where the sweep copied it."""
+    failed = {}
+    for r in results:
+        if r.error is None:
+            continue
+        trial = storage.name(r.path) if r.path else "?"
+        copied = storage.join(sweep_dir, trial, "error.txt")
+        where = copied if storage.exists(copied) else "not kept"
+        failed[trial] = f"{root_cause(r.error)} (its error: {where})"
+    return dict(sorted(failed.items()))
+
+
+def best_result(results, metric: str, mode: str):
+    """The trial whose last ``metric`` is best (``mode`` max or min) among those that ended
+    without an error and with a finite value; None when there is none. A failed trial is never
+    the best, whatever it reported before it failed."""
+    candidates = [r for r in results if r.error is None and _finite((r.metrics or {}).get(metric))]
+    if not candidates:
+        return None
+    pick = max if mode == "max" else min
+    return pick(candidates, key=lambda r: float(r.metrics[metric]))
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
 def complete_stopped_runs(results, sweep_dir: str) -> None:
     """The Train run of a trial's last result, whose trial the scheduler stopped (its actor ended
     before the run could end its own way), made a complete run directory: ``summary.json`` of its
@@ -86,7 +137,8 @@ def complete_stopped_runs(results, sweep_dir: str) -> None:
 
 
 def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig, sweep_dir: str) -> SweepResult:
-    """results.csv, the printed table, best.yaml (a recipe) and metric_per_trial.png."""
+    """results.csv, the printed table, metric_per_trial.png and best.yaml (a recipe; none when no
+    trial is :func:`best_result`)."""
     import pandas as pd
 
     keys = list(sweep.space)
@@ -101,14 +153,18 @@ def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig
                 **{k: cfg.get(k) for k in keys},
                 sweep.metric: (r.metrics or {}).get(sweep.metric),
                 "steps": steps,
-                "error": type(r.error).__name__ if r.error else "",
+                "error": root_type(r.error) if r.error else "",
             }
         )
     table = pd.DataFrame(rows)
     # Through the storage layer: the sweep directory may be a URI (s3://...), not a local path.
     storage.write_text(storage.join(sweep_dir, "results.csv"), table.to_csv(index=False))
     print(table.to_string(index=False), flush=True)
-    best = results.get_best_result(metric=sweep.metric, mode=sweep.mode, scope="last")
+    _plot(results, sweep, sweep_dir)
+    best = best_result(results, sweep.metric, sweep.mode)
+    if best is None:
+        print(f"best: none: no trial ended without an error and with a finite {sweep.metric}", flush=True)
+        return SweepResult(sweep_dir, None, math.nan, table)
     values = {k: best.config[k] for k in keys}
     # The trial's settings, with the user's run section (name, storage) instead of the trial's.
     recipe = replace(trial_config(base.to_dict(), values), run=user_run).to_dict()
@@ -118,7 +174,6 @@ def write_outputs(results, sweep: SweepConfig, base: Config, user_run: RunConfig
         f"# The best trial of the sweep in {sweep_dir} ({sweep.metric} = {best.metrics.get(sweep.metric)}).\n"
         f"#   raytrain-loops train {best_yaml}\n" + yaml.safe_dump(recipe, sort_keys=False),
     )
-    _plot(results, sweep, sweep_dir)
     print(f"best: {values} -> {sweep.metric} {best.metrics.get(sweep.metric)}; recipe {best_yaml}", flush=True)
     return SweepResult(sweep_dir, values, best.metrics.get(sweep.metric), table)
 

@@ -37,10 +37,12 @@ from raytrain_loops.driver.tracking import finish_sweep, open_tracking, tracked
 from raytrain_loops.rundir.stops import StopBoard, fit_or_stop
 from raytrain_loops.sweeps.resources import DRIVER_CPUS, concurrency, start_ray
 from raytrain_loops.sweeps.results import (
+    SweepFailed,
     SweepInterrupted,
     SweepResult,
     complete_stopped_runs,
     copy_error,
+    failed_trials,
     unended,
     write_outputs,
 )
@@ -375,7 +377,9 @@ def tune(
     task: Task | None = None,
     overrides: list[str] | None = None,
 ) -> SweepResult:
-    """Run the sweep over the recipe ``config``. The same sweep run again resumes where it stopped."""
+    """Run the sweep over the recipe ``config``. The same sweep run again resumes where it stopped
+    (its failed trials too). A sweep whose trials failed raises :class:`SweepFailed` once its
+    results are written."""
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
@@ -426,4 +430,8 @@ def tune(
     if interrupted:
         raise SweepInterrupted(sweep_dir, sorted(interrupted))
     complete_stopped_runs(results, sweep_dir)
-    return write_outputs(results, sweep, base, config.run, sweep_dir)
+    written = write_outputs(results, sweep, base, config.run, sweep_dir)
+    failed = failed_trials(results, sweep_dir)
+    if failed:
+        raise SweepFailed(written, failed, len(results))
+    return written

@@ -124,6 +124,45 @@ def test_pbt_exploit_continues_from_the_donors_weights(ray_session, tmp_path):
     assert any(src - {name.split("-from-")[0]} for name, src in sources.items()), sources
 
 
+@pytest.mark.ray
+def test_a_sweep_whose_trial_failed_exits_1_naming_it_and_its_error_with_no_best_recipe(ray_session, tmp_path):
+    """`raytrain-loops tune` whose one trial raises after its first step (no retries): the trial
+    named as it fails, the table written with its error, no best.yaml, and the command exits 1
+    with a last line naming the trial, its error and where the error is kept. The same command
+    then runs the trial again, to its end."""
+    sweep = _sweep(tmp_path, name="fails", num_samples=1, space={"schedules.lr.value": {"choice": [3.0e-3]}})
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(sweep))
+    command = [
+        sys.executable, "-m", "raytrain_loops.cli", "tune", "default", *TINY, "loop.max_steps=4",
+        "run.max_failures=0", "fault.plan=[{step: 1, kind: raise}]", f"data.dir={tmp_path / 'data'}",
+        "--sweep", str(sweep_file),
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    console = out.stdout + out.stderr
+    assert out.returncode == 1, console[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "fails"
+    error = sweep_dir / "trial_00000" / "error.txt"
+    assert f"trial_00000 failed; its error: {error}" in out.stdout, console[-3000:]
+    assert "fault.plan[0] after step 1" in error.read_text()
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith(f"raytrain-loops: tune: 1 of 1 trials of the sweep in {sweep_dir} failed (trial_00000: "), last
+    assert "fault.plan[0] after step 1" in last and f"(its error: {error})" in last, last
+    assert last.endswith("; no trial ended without an error: no best recipe was written"), last
+    assert out.stdout.splitlines()[-1] == f"sweep directory: {sweep_dir}", out.stdout[-2000:]
+    table = pd.read_csv(sweep_dir / "results.csv")
+    assert list(table["trial"]) == ["trial_00000"] and list(table["error"]) == ["InjectedFault"], table
+    assert not (sweep_dir / "best.yaml").exists() and "best: none: " in out.stdout
+
+    # The same command runs the failed trial again (from its checkpoint; the fault fired once).
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "resuming the sweep" in again.stdout and "trial_00000 finished at step 4: " in again.stdout, again.stdout
+    assert pd.read_csv(sweep_dir / "results.csv")["error"].isna().all()
+    assert load_config(sweep_dir / "best.yaml").schedules["lr"].value == 3.0e-3
+
+
 def _mlflow_runs(store: Path) -> dict[str, tuple[str, str]]:
     """The MLflow runs of the sweep "asha": trial -> (run id, status)."""
     from raytrain_loops.callbacks.mlflow_log import client
@@ -387,3 +426,57 @@ def test_a_failed_trials_error_is_copied_into_its_trial_directory_and_named(tmp_
     copied = sweep_dir / "trial_00001" / "error.txt"
     assert copied.read_text().endswith("ValueError: logits and targets disagree\n")
     assert capsys.readouterr().out == f"trial_00001 failed; its error: {copied}\n"
+
+
+def test_a_failed_trial_is_never_the_best_and_a_sweep_of_failed_trials_writes_no_best_recipe(tmp_path, capsys):
+    """write_outputs over Ray Tune's own ``Result`` objects (no Ray started): the best trial is the
+    best of those that ended without an error and with a finite metric, even when a failed one
+    reported a better value before it failed; with none such, the table is written and no
+    best.yaml. The failed trials are named with their error and its copy."""
+    from ray.tune import Result
+
+    from raytrain_loops.sweeps.results import SweepFailed, failed_trials, write_outputs
+
+    base = load_config(resolve("default"))
+    sweep = load_sweep(_sweep(tmp_path, space={"schedules.lr.value": {"choice": [0.1, 0.2, 0.3, 0.4]}}), base)
+    sweep_dir = tmp_path / "sweeps" / "s"
+
+    def result(trial: str, lr: float, accuracy: float, error: Exception | None = None) -> Result:
+        metrics = {"eval_accuracy": accuracy, "step": 10, "config": {"schedules.lr.value": lr}}
+        frame = pd.DataFrame([{"step": 5, "eval_accuracy": accuracy / 2}, {"step": 10, "eval_accuracy": accuracy}])
+        return Result(metrics=metrics, checkpoint=None, error=error, path=str(sweep_dir / trial), metrics_dataframe=frame)
+
+    boom = RuntimeError("fault.plan[0] after step 10")
+    results = [
+        result("trial_00000", 0.1, 0.95, error=boom),  # the highest accuracy, but the trial failed
+        result("trial_00001", 0.2, 0.60),
+        result("trial_00002", 0.3, float("nan")),  # diverged: never the best
+        result("trial_00003", 0.4, 0.70),
+    ]
+    (sweep_dir / "trial_00000").mkdir(parents=True)
+    (sweep_dir / "trial_00000" / "error.txt").write_text("Traceback ...\nRuntimeError: fault.plan[0] after step 10\n")
+
+    written = write_outputs(results, sweep, base, base.run, str(sweep_dir))
+    assert written.best_values == {"schedules.lr.value": 0.4} and written.best_metric == 0.7
+    assert load_config(sweep_dir / "best.yaml").schedules["lr"].value == 0.4
+    table = pd.read_csv(sweep_dir / "results.csv")
+    assert list(table["error"].fillna("")) == ["RuntimeError", "", "", ""], table
+    failed = failed_trials(results, str(sweep_dir))
+    assert failed == {
+        "trial_00000": f"RuntimeError: fault.plan[0] after step 10 (its error: {sweep_dir / 'trial_00000' / 'error.txt'})"
+    }
+    said = str(SweepFailed(written, failed, len(results)))
+    assert said.startswith(f"1 of 4 trials of the sweep in {sweep_dir} failed (trial_00000: RuntimeError: ")
+    assert said.endswith("; best.yaml is the best of the 3 others"), said
+    sweep = load_sweep(_sweep(tmp_path, mode="min", space={"schedules.lr.value": {"choice": [0.1, 0.2]}}), base)
+    assert write_outputs(results, sweep, base, base.run, str(sweep_dir)).best_values == {"schedules.lr.value": 0.2}
+
+    # Every trial failed or diverged: the table and the plot, no best recipe.
+    (sweep_dir / "best.yaml").unlink()
+    capsys.readouterr()
+    none = write_outputs([results[0], results[2]], sweep, base, base.run, str(sweep_dir))
+    assert none.best_values is None and not (sweep_dir / "best.yaml").exists()
+    assert len(pd.read_csv(sweep_dir / "results.csv")) == 2
+    assert "best: none: no trial ended without an error and with a finite eval_accuracy" in capsys.readouterr().out
+    said = str(SweepFailed(none, failed_trials([results[0], results[2]], str(sweep_dir)), 2))
+    assert said.endswith("; no trial ended without an error: no best recipe was written"), said
