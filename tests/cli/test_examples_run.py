@@ -7,13 +7,13 @@ test bed)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from examples.parquet_task import TableTask, main, statistics
 from raytrain_loops.data.parquet import ROW_SEED
+from tests.support.runfiles import records
 
 
 def test_the_parquet_example_makes_its_table_preprocesses_each_row_from_its_seed_and_trains_locally(tmp_path, capsys):
@@ -36,5 +36,5 @@ def test_the_parquet_example_makes_its_table_preprocesses_each_row_from_its_seed
 
     result = main(["--data", str(data), "--local", "--epochs", "2", "--storage-path", str(tmp_path / "runs")])
     assert result.metrics["eval_accuracy"] > 0.95 and "accuracy" in capsys.readouterr().out
-    steps = [json.loads(line)["step"] for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records(Path(result.run_dir) / "metrics.jsonl")]
     assert steps == list(range(1, 2 * 4096 // 64 + 1))  # every row of 2 epochs, 64 a step

@@ -19,6 +19,7 @@ from raytrain_loops import fit
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine.update import precision
 from raytrain_loops.tasks import DigitsTask
+from tests.support.runfiles import records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,9 +56,9 @@ def test_train_local_fills_the_run_directory_keeps_the_newest_and_best_checkpoin
     assert "RAY_MODULES []" in out.stdout
     (run,) = (tmp_path / "runs").iterdir()
     # One worker: 1347 rows / 32 = 42 steps an epoch, checkpointed and evaluated at each epoch's end.
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records(run / "metrics.jsonl")]
     assert steps == list(range(1, 127))
-    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    evals = records(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [42, 84, 126]
     assert sorted(p.name for p in run.glob("checkpoint_*")) == ["checkpoint_00000084", "checkpoint_00000126"]
     best = json.loads((run / "best" / "best.json").read_text())
@@ -249,11 +250,11 @@ def test_a_users_own_task_trains_locally_and_its_run_name_continues_mid_epoch(tm
     second = fit({**base, "loop": {"max_steps": 0, "epochs": 6}}, task=SpiralTask())
     assert json.loads((Path(second.run_dir) / "summary.json").read_text())["precision"] == other
     assert json.loads(record_file.read_text())["dtype"] == other
-    records = [json.loads(line) for line in (Path(second.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 6 * 32 + 1))  # 1-48, then 49-192: nothing redone
-    assert [r["epoch"] for r in records][47:50] == [1, 1, 1]  # the second run resumed inside epoch 1
-    assert records[48]["loss"] < 0.8 * records[0]["loss"]  # with the trained weights, not fresh ones
-    evals = [json.loads(line) for line in (Path(second.run_dir) / "eval.jsonl").read_text().splitlines()]
+    logged = records(Path(second.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, 6 * 32 + 1))  # 1-48, then 49-192: nothing redone
+    assert [r["epoch"] for r in logged][47:50] == [1, 1, 1]  # the second run resumed inside epoch 1
+    assert logged[48]["loss"] < 0.8 * logged[0]["loss"]  # with the trained weights, not fresh ones
+    evals = records(Path(second.run_dir) / "eval.jsonl")
     assert evals[-1]["step"] == second.metrics["step"] == 6 * 32
     assert second.metrics["eval_accuracy"] > 0.9 > evals[0]["eval_accuracy"], [e["eval_accuracy"] for e in evals]
 

@@ -23,6 +23,7 @@ from raytrain_loops.engine.loop import Loop, LoopSettings, Position
 from raytrain_loops.tasks import MapSplit, Task
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.runfiles import records
 
 # 7 groups of uneven sizes (aspect-ratio bins, say): 3 + 5 + 9 + 4 + 11 + 6 + 3 = 41 rows.
 SIZES = [3, 5, 9, 4, 11, 6, 3]
@@ -269,7 +270,6 @@ def _quadrant_run(rank: int, world: int, run_dir: str):
 def test_a_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_schedule(tmp_path):
     """The workers' part of a run with a grouping batch sampler, as on Ray (a task with one,
     seamseg's, end to end in local mode and its length on two workers: tests/recipes/test_seamseg_recipe.py)."""
-    import json
 
     outcomes = run_gloo(2, _quadrant_run, str(tmp_path))
     assert [o.error for o in outcomes] == [None, None], [o.message for o in outcomes]
@@ -277,8 +277,8 @@ def test_a_run_takes_its_length_from_the_batch_sampler_and_steps_a_per_epoch_sch
     # DistributedSampler's share would be 150 rows, 9 batches).
     assert len(GroupedBatchSampler(quadrants(spirals(300, seed=0).tensors[0]), 16, 0, 2, 4)) == 8
     assert [o.value for o in outcomes] == [{"batches": 8, "step": 3 * 8}] * 2
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 3 * 8 + 1))
-    lrs = {(r["epoch"], r["lr"]) for r in records}
+    logged = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, 3 * 8 + 1))
+    lrs = {(r["epoch"], r["lr"]) for r in logged}
     # poly per epoch, power 1: 0.005 + 0.015 * (1 - epoch / 2), one value per epoch
     assert sorted(lrs) == [(0, pytest.approx(0.02)), (1, pytest.approx(0.0125)), (2, pytest.approx(0.005))], lrs

@@ -25,6 +25,7 @@ from raytrain_loops.runtime.wiring import micro_batches
 from raytrain_loops.tasks import MapSplit
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.runfiles import records
 
 BATCH = 8  # rows per batch (data.batch_size); two batches per update (accum.steps=2)
 STEPS = 5
@@ -312,8 +313,8 @@ def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_i
     first = fit(base, task=SpiralTask())
     out = capsys.readouterr().out
     assert "micro-batch 64 -> 32 after an out-of-memory error on worker 0 at step 2 (2 per update)\n" in out
-    records = [json.loads(line) for line in (Path(first.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]  # the update at step 2 was retried, not skipped
+    logged = records(Path(first.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]  # the update at step 2 was retried, not skipped
     state = torch.load(Path(first.checkpoint) / "state.pt", weights_only=True)  # the engine's shared state
     assert state["counters"]["micro_batch_splits"] == 2
     # The checkpoint alone carries the size: without the run's record, the resumed run starts from it.

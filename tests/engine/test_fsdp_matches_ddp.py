@@ -18,6 +18,7 @@ from raytrain_loops.engine.distributed.sharding import shard
 from tests.support import fakes
 from tests.support.gloo import run_gloo
 from tests.support.recording import restored
+from tests.support.runfiles import records
 
 STEPS = 4
 # Two micro-batches per update of uneven sizes, different on each worker: sum normalisation must
@@ -457,13 +458,13 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     task = LMTask(**params)
     splits = task.splits(tmp_path / "data")
     train_rows = pq.read_table(splits["train"].path).column("tokens").to_pylist()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == len(train_rows) // 2 and all(r["applied"] for r in records)
-    assert len({r["sample_size"] for r in records}) > 1  # variable-size batches
+    logged = records(run_dir / "metrics.jsonl")
+    assert len(logged) == len(train_rows) // 2 and all(r["applied"] for r in logged)
+    assert len({r["sample_size"] for r in logged}) > 1  # variable-size batches
     splits["train"].index = index_split(splits["train"].path, splits["train"].columns)
     config = load_config(resolve("lm"), overrides)
     trained = _trained_rows(splits["train"], config.data, config.loop.seed)
-    assert sum(r["sample_size"] for r in records) == sum(len(train_rows[i]) for i in trained)
+    assert sum(r["sample_size"] for r in logged) == sum(len(train_rows[i]) for i in trained)
     assert m["sample_size_per_s"] > 0
     # The unigram baseline is scored on exactly the validation bytes the model was scored on: every
     # row of the split, once.
@@ -472,7 +473,7 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     baseline = sum(bits[np.frombuffer(r, dtype=np.uint8)].sum() for r in valid_rows) / sum(map(len, valid_rows))
     assert abs(baseline - m["eval_unigram_bpb"]) < 1e-4, (baseline, m)
 
-    steps = len(records)
+    steps = len(logged)
     final = run_dir / f"checkpoint_{steps:08d}"
     assert ckpt.verify(final) == 2 and ckpt.is_sharded(final)
     assert {p.name for p in (final / "dcp").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}

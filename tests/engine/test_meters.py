@@ -15,6 +15,7 @@ from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.meters import Meters, Smoother
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.runfiles import records
 
 
 def test_momentum_smoothing_weighs_earlier_intervals_by_powers_of_the_momentum():
@@ -199,8 +200,8 @@ def test_an_epochs_averages_go_to_epochs_jsonl_and_the_console(tmp_path, capsys)
     times = {"train_lr": 1e-3, "train_data_time": 0.002, "train_batch_time": 0.1, "train_grad_norm": 3.0}
     log.on_epoch({"train_loss": 0.25, "train_acc": 0.875, **times}, step=42, epoch=1)
     log.close()
-    records = [json.loads(line) for line in (tmp_path / "epochs.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["step"], r["train_loss"], r["train_acc"]) for r in records] == [
+    logged = records(tmp_path / "epochs.jsonl")
+    assert [(r["epoch"], r["step"], r["train_loss"], r["train_acc"]) for r in logged] == [
         (0, 21, 0.5, 0.75),
         (1, 42, 0.25, 0.875),
     ]

@@ -21,6 +21,7 @@ from raytrain_loops import ConfigError, ParquetSplit, fit
 from raytrain_loops.driver.preflight import DataError
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
+from tests.support.runfiles import records
 
 CLI = [sys.executable, "-m", "raytrain_loops.cli"]
 
@@ -73,15 +74,15 @@ def test_cli_trains_the_default_recipe_and_fills_the_run_directory(ray_session, 
     _assert_a_clean_console(console, run_dir)
     assert "Connected to Ray cluster." in (run_dir / "ray.log").read_text()  # ray.init's lines, joining
 
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = records(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 64))  # 3 epochs x 21 steps
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = records(run_dir / "eval.jsonl")
     assert [e["step"] for e in evals] == [21, 42, 63]
     accuracy = [e["eval_accuracy"] for e in evals]
     assert accuracy[-1] > accuracy[0] and accuracy[-1] >= 0.8, accuracy
     assert "eval_ema_accuracy" in evals[-1]
 
-    epochs = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    epochs = records(run_dir / "epochs.jsonl")
     assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 21), (1, 42), (2, 63)]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] and 0 < epochs[-1]["train_acc"] <= 1
 

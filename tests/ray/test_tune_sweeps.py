@@ -21,6 +21,7 @@ from raytrain_loops.config.sweep import load_sweep
 from raytrain_loops.data.parquet import ROW_SEED
 from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import DigitsTask
+from tests.support.runfiles import records
 
 
 class DigitsThroughPreprocess(DigitsTask):
@@ -272,8 +273,7 @@ def test_an_asha_sweep_stopped_by_ctrl_c_resumes_and_writes_a_usable_best_recipe
     _check_best_recipe(sweep_dir, second.stdout, {"schedules.lr.value": good, "data.batch_size": 32})
     _check_trial_runs(sweep_dir, table)
     # The finished trial was not run again: each of its steps was logged once.
-    logged = (sweep_dir / "trial_00000" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in logged] == list(range(1, 61))
+    assert [r["step"] for r in records(sweep_dir / "trial_00000" / "metrics.jsonl")] == list(range(1, 61))
     _check_mlflow(store, table, best, between)
 
 

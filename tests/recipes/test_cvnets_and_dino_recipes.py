@@ -4,7 +4,6 @@ with a reduced budget, read back from the run's own logs."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from raytrain_loops.engine import Engine, StepContext, schedule_value
 from raytrain_loops.recipes import builtin, describe, resolve
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tasks.dino import knn_accuracy, random_resized_crops
+from tests.support.runfiles import records
 
 
 def _recipe(name: str, *overrides: str):
@@ -94,7 +94,7 @@ def test_cvnets_recipe_accumulates_from_its_epoch_and_stops_at_max_steps(tmp_pat
     ]
     result = fit(resolve("cvnets_cls"), overrides=overrides)
     run_dir = Path(result.run_dir)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = records(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 52))
     # 42 updates of 32 in epoch 0, then 2 micro-batches per update; max_steps stops the run
     # inside epoch 1.
@@ -103,7 +103,7 @@ def test_cvnets_recipe_accumulates_from_its_epoch_and_stops_at_max_steps(tmp_pat
     assert lrs[:10] == sorted(lrs[:10]) and lrs[10:] == sorted(lrs[10:], reverse=True)  # warm-up, then cosine
     losses = [s["loss"] for s in steps]
     assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = records(run_dir / "eval.jsonl")
     # The model and its EMA side by side at each evaluation. Accuracy is still low this early: the
     # BatchNorm running statistics trail the weights with the momentum falling to 0.01 in 51 steps.
     assert [e["step"] for e in evals] == [42, 51]
@@ -184,11 +184,11 @@ def test_dino_recipe_learns_without_collapse_and_reports_knn_against_the_initial
     ]
     result = fit(resolve("dino"), overrides=overrides)
     run_dir = Path(result.run_dir)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = records(run_dir / "metrics.jsonl")
     assert [s["step"] for s in steps if s["applied"]] == list(range(1, 4 * 42 + 1))
     losses = [s["loss"] for s in steps]
     assert sum(losses[-10:]) < 0.92 * sum(losses[:10]), losses
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = records(run_dir / "eval.jsonl")
     final = evals[-1]
     assert final["eval_ema_knn_accuracy"] > 0.9 and final["eval_ema_knn_accuracy_init"] > 0.9, final
     assert final["eval_ema_feature_std"] > 0.01, final

@@ -5,7 +5,6 @@ Ray workers with a reduced budget."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from raytrain_loops.tasks.detection import MeanAveragePrecision, generalized_box
 from raytrain_loops.tasks.images import Block
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.runfiles import records
 
 SMALL = {"train_images": 64, "validation_images": 16}
 
@@ -186,7 +186,7 @@ def test_detr_recipe_end_to_end_logs_its_terms_and_improves(tmp_path):
             assert key in m, key
         assert m[name] == pytest.approx(m[f"{name}_unscaled"] * {"loss_ce": 1, "loss_bbox": 5, "loss_giou": 2}[name])
     assert "class_error" in m and "cardinality_error" in m
-    evals = [json.loads(line) for line in (Path(result.run_dir) / "eval.jsonl").read_text().splitlines()]
+    evals = records(Path(result.run_dir) / "eval.jsonl")
     assert [e["step"] for e in evals] == [16, 32, 48]
     first, last = evals[0], evals[-1]
     for key in ("eval_map", "eval_map50", "eval_init_map50", "eval_class_error", "eval_loss_giou"):

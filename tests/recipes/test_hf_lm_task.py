@@ -22,6 +22,7 @@ from raytrain_loops.config import ConfigError
 from raytrain_loops.data.parquet import ROW_SEED
 from tests.checkpoint.test_run_dir_on_s3 import s3_root, s3_server  # noqa: F401  (a real S3 API: moto's server)
 from tests.support.recording import restored
+from tests.support.runfiles import records
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
@@ -123,9 +124,9 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     result = fit(_config(tmp_path, "scratch", model=TINY_GPT2, text=corpus))
-    evals = [json.loads(line) for line in (Path(result.run_dir) / "eval.jsonl").read_text().splitlines()]
+    evals = records(Path(result.run_dir) / "eval.jsonl")
     assert [e["step"] for e in evals] == [30, 60]
-    metrics = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    metrics = records(Path(result.run_dir) / "metrics.jsonl")
     assert metrics[-1]["loss"] < 0.5 * metrics[0]["loss"], [m["loss"] for m in metrics]
     assert evals[-1]["eval_bpb"] < evals[0]["eval_bpb"] and 0 < evals[-1]["eval_bpb"] < 4, evals
 
@@ -161,7 +162,7 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     example += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}", "run.name=tuned"]
     tuned = fit(ROOT / "examples" / "finetune_hf.yaml", overrides=[*example, "scaling.num_workers=0", "run.progress=false"])
     assert tuned.metrics["step"] == 10 and "eval_bpb" in tuned.metrics
-    first = json.loads((Path(tuned.run_dir) / "metrics.jsonl").read_text().splitlines()[0])
+    first = records(Path(tuned.run_dir) / "metrics.jsonl")[0]
     assert first["loss"] < 0.6 * metrics[0]["loss"], (first["loss"], metrics[0]["loss"])
 
 

@@ -29,6 +29,7 @@ from raytrain_loops.tasks.datasets.shapes import ShapesSpec, decode_image, decod
 from raytrain_loops.tasks.seamseg import IGNORE, TERMS, SeamsegTask, collate, detections, row_groups
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.runfiles import records
 
 SMALL = {"train_images": 48, "validation_images": 16, "width": 8}
 
@@ -340,7 +341,7 @@ def test_seamseg_recipe_end_to_end_every_named_loss_falls(tmp_path):
     per_worker = MapBatches(splits, cfg.data, cfg.loop.seed, 0, 1).batches_per_epoch
     assert per_worker != batches_per_epoch(len(splits["train"].dataset), 1, cfg.data.batch_size, padded=True)
     assert result.metrics["step"] == 3 * per_worker
-    epochs = [json.loads(line) for line in (run_dir / "epochs.jsonl").read_text().splitlines()]
+    epochs = records(run_dir / "epochs.jsonl")
     assert [e["epoch"] for e in epochs] == [0, 1, 2]
     for name in TERMS:  # each epoch's averages
         first, last = epochs[0][f"train_{name}_unscaled"], epochs[-1][f"train_{name}_unscaled"]
@@ -349,7 +350,7 @@ def test_seamseg_recipe_end_to_end_every_named_loss_falls(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("eval_miou", "eval_iou_background", "eval_map50", "eval_sem"):
         assert key in summary["metrics"], key
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = records(run_dir / "eval.jsonl")
     assert evals[-1]["eval_miou"] > evals[0]["eval_miou"], evals
 
     # On the recipe's two Ray workers: what each receives is the task and its splits pickled (their

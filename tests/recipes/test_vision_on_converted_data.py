@@ -19,6 +19,7 @@ from raytrain_loops.recipes import resolve
 from raytrain_loops.tasks import build_task
 from raytrain_loops.tasks.converted.seamseg_coco import semantic
 from raytrain_loops.tools.convert import convert
+from tests.support.runfiles import records
 from tests.support.vision_data import write_coco
 
 SIZE = 16
@@ -35,7 +36,7 @@ def folder(ray_session, tmp_path_factory) -> str:
 
 
 def _steps(run_dir: str) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return records(Path(run_dir) / "metrics.jsonl")
 
 
 def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], list[dict], Path]:
@@ -43,7 +44,7 @@ def _train(recipe: str, tmp_path: Path, *overrides: str) -> tuple[list[dict], li
     and its run directory."""
     common = ["scaling.num_workers=0", f"run.storage_path={tmp_path}", "run.progress=false", "data.batch_size=16"]
     run_dir = Path(fit(resolve(recipe), overrides=[*common, *overrides]).run_dir)
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = records(run_dir / "eval.jsonl")
     return _steps(str(run_dir)), evals, run_dir
 
 
@@ -66,7 +67,7 @@ def test_cvnets_trains_on_a_converted_imagefolder_at_the_configured_size(folder,
                    "--storage-path", str(tmp_path)])  # fmt: skip
     assert "is up to date: 300 images, 3 classes, 2 files; nothing converted" in capsys.readouterr().out
     steps = _steps(run.run_dir)
-    evals = [json.loads(line) for line in (Path(run.run_dir) / "eval.jsonl").read_text().splitlines()]
+    evals = records(Path(run.run_dir) / "eval.jsonl")
     assert [s["step"] for s in steps if s["applied"]] == [1, 2, 3, 4]
     assert all(np.isfinite(s["loss"]) for s in steps), steps
     assert 0.0 <= evals[-1]["eval_accuracy"] <= 1.0 and evals[-1]["step"] == 4
