@@ -423,15 +423,21 @@ def tune(
         finally:
             pbt_logger.removeHandler(decisions)
             TrialProgress.shown_on = None
+    return _ended(results, sweep, base, config.run, sweep_dir, tracking)
+
+
+def _ended(results, sweep: SweepConfig, base: Config, user_run, sweep_dir: str, tracking) -> SweepResult:
+    """What a sweep's end leaves: its trials' MLflow runs ended; then, for a sweep that was not
+    interrupted, its stopped trials' run directories completed and its outputs written; its failed
+    trials, if any, raised as :class:`SweepFailed` once everything is written."""
     interrupted = unended(results)
+    failed = failed_trials(results, sweep_dir)
     if tracking is not None:
-        failed = {storage.name(r.path) for r in results if r.error is not None}
-        finish_sweep(tracking, storage.name(sweep_dir), failed, interrupted)
+        finish_sweep(tracking, storage.name(sweep_dir), set(failed), interrupted)
     if interrupted:
         raise SweepInterrupted(sweep_dir, sorted(interrupted))
     complete_stopped_runs(results, sweep_dir)
-    written = write_outputs(results, sweep, base, config.run, sweep_dir)
-    failed = failed_trials(results, sweep_dir)
+    written = write_outputs(results, sweep, base, user_run, sweep_dir)
     if failed:
         raise SweepFailed(written, failed, len(results))
     return written
