@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 ATTENTIONS = ("sdpa", "flex")
+IGNORE = -100
+"""The target of a padding position: no loss."""
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +122,14 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, documents: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits for ``tokens``; ``documents`` (each position's sequence number, rows packed with
-        several sequences): attention stays causal and inside each sequence."""
+        several sequences): attention stays causal and inside each sequence. With ``targets``, the
+        cross-entropy summed over the targets that are not ``IGNORE`` instead of the logits: the
+        loss inside the forward, so that a model compiled whole (``compile.scope=model``) compiles
+        it with the head, and the logits need not be written out in fp32 and read back."""
         x = self.embed(tokens)
         if documents is None:
             mask = None
@@ -132,4 +139,7 @@ class GPT(nn.Module):
             mask = document_mask(documents)
         for block in self.blocks:
             x = block(x, mask)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")

@@ -40,11 +40,10 @@ from raytrain_loops.engine import LossOutput, StepContext
 from raytrain_loops.engine.update.micro import split_batch
 from raytrain_loops.tasks.base import EvalOutput, ParquetSplit, Task
 from raytrain_loops.tasks.datasets.tokens import Language, rng_for
-from raytrain_loops.tasks.gpt import ATTENTIONS, GPT
+from raytrain_loops.tasks.gpt import ATTENTIONS, GPT, IGNORE
 
 COLUMNS = ["tokens", "lengths"]
 BOS = 256  # the input before a sequence's first byte; targets are bytes 0-255 only
-IGNORE = -100  # target of a padding position
 LN2 = math.log(2.0)
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 FORMAT = 1  # bump when the Parquet layout or the cutting rules change (a new cache directory)
@@ -361,8 +360,7 @@ class LMTask(Task):
 
     def criterion(self, model: nn.Module, batch, ctx: StepContext) -> LossOutput:
         inputs, targets, ntokens, *documents = batch
-        logits = model(inputs, *documents)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        loss = model(inputs, *documents, targets=targets)  # the model's own loss: compiled with it
         return LossOutput(loss, sample_size=ntokens, logs={self.unit: loss.detach() / (ntokens * LN2)})
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:

@@ -226,6 +226,47 @@ def test_fixed_packing_gives_one_shape_and_the_compiled_step_builds_no_graph_aft
     assert variable[-1] > variable[2], variable
 
 
+def test_the_lm_loss_is_the_models_own_and_a_model_compiled_whole_compiles_it_with_the_head(tmp_path):
+    """The lm criterion's loss comes from the model's forward (``targets=``): equal to the
+    cross-entropy of its logits, gradients included, and inside the graph that compiling the
+    model whole (``compile.scope=model``) captures, so the compiler can fuse it with the head."""
+    import torch.nn.functional as F
+
+    task = LMTask(**{**GENERATED, "packing": "fixed", "tokens": 2000})
+    task.prepare(tmp_path)
+    table = pq.read_table(task.splits(tmp_path)["train"].path).to_pydict()
+    batch = task.collate(
+        {"tokens": np.array([table["tokens"][0]], object), "lengths": np.array([table["lengths"][0]], object)}
+    )
+    inputs, targets, _, documents = batch
+    torch.manual_seed(0)
+    model = task.build_model()
+    loss = task.criterion(model, batch, None).loss
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    of_logits = F.cross_entropy(
+        model(inputs, documents).flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    of_logits.backward()
+    assert torch.equal(loss, of_logits)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+
+    graphs = []
+
+    def capture(gm, example_inputs):  # a dynamo backend that keeps the graphs and runs them as they are
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.compile(backend=capture)  # what prepare_model does under compile.scope=model
+    compiled = task.criterion(model, batch, None).loss
+    called = {
+        getattr(n.target, "__name__", str(n.target)) for g in graphs for n in g.graph.nodes if n.op == "call_function"
+    }
+    assert "cross_entropy" in called, sorted(called)
+    torch.testing.assert_close(compiled, loss, rtol=1e-6, atol=0)
+
 
 def test_a_fixed_batch_holds_whole_sequences_in_rows_of_max_len_and_each_sees_only_itself(tmp_path):
     """Every batch of the split is ``(max_tokens / max_len, max_len)``, the split's tokens all
@@ -269,7 +310,9 @@ def test_flex_attention_gives_the_boolean_masks_logits_and_is_refused_where_it_c
     task = LMTask(**params)
     task.prepare(tmp_path)
     table = pq.read_table(task.splits(tmp_path)["train"].path).to_pydict()
-    batch = task.collate({"tokens": np.array(table["tokens"][:1], object), "lengths": np.array(table["lengths"][:1], object)})
+    batch = task.collate(
+        {"tokens": np.array(table["tokens"][:1], object), "lengths": np.array(table["lengths"][:1], object)}
+    )
     inputs, _, _, documents = batch
     assert documents.shape == (4, 256) and int(documents.max()) > 4  # several sequences a row
     torch.manual_seed(0)
