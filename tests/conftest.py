@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The object-store tests talk to a local S3 API (tests/checkpoint/test_run_dir_on_s3.py). pyarrow's S3 client signs its
+# The object-store tests talk to a local S3 API (tests/support/s3.py). pyarrow's S3 client signs its
 # requests, here and in Ray's workers, which take the environment of the process that starts
 # the session's Ray: set before any test runs.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 
 import pytest
@@ -16,6 +15,7 @@ from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.errors import LossSpikeError
 from raytrain_loops.recipes import resolve
+from tests.support.pickles import Exploit
 
 
 def _write(d, world=2):
@@ -57,20 +57,10 @@ def _flip_byte(path):
     path.write_bytes(bytes(data))
 
 
-class _Exploit:
-    """Unpickling this would run a shell command that creates a file."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_pickle_that_would_run_code_is_refused_even_with_a_valid_manifest(tmp_path):
     marker = tmp_path / "pwned"
     d = tmp_path / "ckpt"
-    ckpt.write_files(d, 0, {ckpt.STATE: {"model": _Exploit(marker)}, ckpt.rank_file(0): {}}, 1)
+    ckpt.write_files(d, 0, {ckpt.STATE: {"model": Exploit(marker)}, ckpt.rank_file(0): {}}, 1)
     assert ckpt.verify(d) == 1  # the manifest matches: only the loader stands in the way
     with pytest.raises(ckpt.CheckpointError, match=r"state.pt: refused or unreadable \(UnpicklingError"):
         ckpt.read_file(d, ckpt.STATE)

@@ -22,9 +22,9 @@ from raytrain_loops.checkpoint.restore import candidates
 from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.loop import Position
-from tests.checkpoint.test_checkpoint_files import _Exploit
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.pickles import Exploit
 from tests.support.runfiles import records, tb_scalars
 
 
@@ -245,7 +245,7 @@ def test_a_crafted_dcp_metadata_runs_nothing_and_the_restore_takes_the_checkpoin
     _write_sharded(run, 6, seed=1)
     d = _write_sharded(run, 12, seed=2)
     metadata = FileSystemReader(d / "dcp").read_metadata()  # written here: safe to unpickle
-    metadata.storage_meta.save_id = _Exploit(marker)  # the rest stays a valid checkpoint
+    metadata.storage_meta.save_id = Exploit(marker)  # the rest stays a valid checkpoint
     rewritten(d, "dcp/.metadata", pickle.dumps(metadata))
     assert ckpt.verify(d) == 1
 
@@ -274,7 +274,7 @@ def test_a_crafted_non_tensor_item_in_dcp_shards_runs_nothing_and_the_restore_ta
     _write_sharded(run, 6, seed=1)
 
     def craft(state):  # an optimizer setting, saved by DCP as a pickled item
-        state["optimizer"]["param_groups"][0]["foreach"] = _Exploit(marker)
+        state["optimizer"]["param_groups"][0]["foreach"] = Exploit(marker)
 
     d = _write_sharded(run, 12, seed=2, change=craft)
     assert ckpt.verify(d) == 1  # written by the writer itself: its manifest matches

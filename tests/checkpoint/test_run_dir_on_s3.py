@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,37 +21,11 @@ from raytrain_loops import storage
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.driver.run_checks import RunLock, RunLocked
+from tests.support import s3
 from tests.support.runfiles import tb_scalars
+from tests.support.s3 import files_under
 
-
-# A real S3 API on this machine: moto's server on a free port, with a bucket.
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[str]:
-    """The endpoint (``host:port``) of a moto S3 server holding the bucket ``runs``."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"{host}:{port}"
-    client = boto3.client("s3", endpoint_url=f"http://{endpoint}", region_name="us-east-1")
-    client.create_bucket(Bucket="runs")
-    yield endpoint
-    server.stop()
-
-
-@pytest.fixture
-def s3_root(s3_server: str) -> str:
-    """A fresh prefix in the bucket, as a URI pyarrow (and Ray Train) open with the endpoint."""
-    return f"s3://runs/{uuid.uuid4().hex[:8]}?endpoint_override={s3_server}&scheme=http&region=us-east-1"
-
-
-def _files(uri: str) -> dict[str, int]:
-    """Every object under ``uri``: path relative to it -> size."""
-    fs, root = pafs.FileSystem.from_uri(uri)
-    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-    return {i.path[len(root) + 1 :]: i.size for i in infos if i.type == pafs.FileType.File}
+s3_server, s3_root = s3.s3_server, s3.s3_root  # moto's S3 server, a fresh prefix in its bucket
 
 
 def test_the_storage_layer_keeps_the_endpoint_in_every_path(s3_root, tmp_path):
@@ -69,11 +42,11 @@ def test_the_storage_layer_keeps_the_endpoint_in_every_path(s3_root, tmp_path):
     copy = storage.download_dir(storage.join(run, "best", "checkpoint_00000004"), str(tmp_path / "down"))
     assert ckpt.verify(copy) == 1
     storage.delete_tree(storage.join(run, "best"))
-    assert set(_files(run)) == {"a.txt", *(f"checkpoint_00000004/{n}" for n in os.listdir(local))}
+    assert set(files_under(run)) == {"a.txt", *(f"checkpoint_00000004/{n}" for n in os.listdir(local))}
 
     with RunLock(run), pytest.raises(RunLocked, match="in use by the driver"):  # on a bucket, too
         RunLock(run).acquire()
-    assert "driver.lock" not in _files(run)
+    assert "driver.lock" not in files_under(run)
 
 
 def _step(loss: float) -> SimpleNamespace:
@@ -145,7 +118,7 @@ def test_a_profile_trace_of_a_run_in_a_bucket_is_uploaded_and_its_local_copy_rem
         profile.on_step(engine.train_step([fakes.regression_data()]), engine.step, 0)
     profile.close()
     assert profile.traces == [storage.join(run, "profile", "rank1.3.pt.trace.json")]
-    assert list(_files(run)) == ["profile/rank1.3.pt.trace.json"]
+    assert list(files_under(run)) == ["profile/rank1.3.pt.trace.json"]
     assert "traceEvents" in json.loads(storage.read_text(profile.traces[0]))
     assert not os.path.exists(profile._local_dir)
 
@@ -184,7 +157,7 @@ def test_a_sweeps_outputs_go_to_the_bucket(s3_root, tmp_path, monkeypatch):
     sweep_dir = storage.join(s3_root, "sweep")
     result = write_outputs(grid, sweep, base, base.run, sweep_dir)
     assert result.best_values == {"schedules.lr.value": 0.01}
-    files = _files(sweep_dir)
+    files = files_under(sweep_dir)
     assert set(files) == {"results.csv", "best.yaml", "metric_per_trial.png"}
     assert yaml.safe_load(storage.read_text(storage.join(sweep_dir, "best.yaml")))["schedules"]["lr"]["value"] == 0.01
     assert "trial_00001" in storage.read_text(storage.join(sweep_dir, "results.csv"))

@@ -20,25 +20,14 @@ from raytrain_loops import ray_private
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.console.capture import Console
 from raytrain_loops.console.display import Display
-from raytrain_loops.console.feed import Sender
 from raytrain_loops.controller.announcer import Announcer
 from raytrain_loops.sweeps.tune import TrialProgress, _Decisions
+from tests.support.senders import Recorder
 
 
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-class Recorder(Sender):
-    """A sender that keeps the events instead of sending them to a feed."""
-
-    def __init__(self):
-        super().__init__(None)
-        self.events: list[dict] = []
-
-    def send(self, kind: str, text: str, **data) -> None:
-        self.events.append({"kind": kind, "text": text, **data})
 
 
 def progress(step: int, total: int = 63) -> dict:

@@ -19,7 +19,7 @@ from raytrain_loops.data.formats import identity
 from raytrain_loops.data.formats.coco import decode_mask
 from raytrain_loops.data.formats.layout import SourceError, read_meta
 from raytrain_loops.tools.convert import convert
-from tests.checkpoint.test_run_dir_on_s3 import s3_server  # noqa: F401  (the fixture)
+from tests.support.s3 import s3_server  # noqa: F401  (the fixture)
 from tests.support.vision_data import CLASSES, write_coco, write_imagefolder
 
 

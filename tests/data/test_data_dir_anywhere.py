@@ -21,10 +21,10 @@ from raytrain_loops.data.reach import Unreachable, check_here
 from raytrain_loops.driver.preflight import DataError, data_location, prepare
 from raytrain_loops.errors import own_message, root_cause
 from raytrain_loops.tasks import ParquetSplit, Task
-from tests.checkpoint import test_run_dir_on_s3
-from tests.checkpoint.test_run_dir_on_s3 import _files
+from tests.support import s3
+from tests.support.s3 import files_under
 
-s3_server, s3_root = test_run_dir_on_s3.s3_server, test_run_dir_on_s3.s3_root  # moto's S3 server, a fresh prefix
+s3_server, s3_root = s3.s3_server, s3.s3_root  # moto's S3 server, a fresh prefix
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -42,7 +42,7 @@ def test_an_upload_sends_only_what_the_store_lacks_or_holds_in_another_version(s
     monkeypatch.setattr(staging, "PROGRESS_BYTES", 0)
     monkeypatch.setattr(staging, "PROGRESS_EVERY_S", 0.0)
     assert sorted(staging.upload_missing(local, s3_root, say=lines.append)) == ["a/one.parquet", "two.parquet"]
-    assert _files(s3_root) == {"a/one.parquet": 100, "two.parquet": 10}
+    assert files_under(s3_root) == {"a/one.parquet": 100, "two.parquet": 10}
     assert lines[0].startswith("uploading 2 files") and any(" of 0 MiB" in line for line in lines[1:])
     assert staging.upload_missing(local, s3_root, say=lines.append) == []  # nothing new: not even read
 
@@ -141,7 +141,7 @@ def test_a_uri_data_dir_is_prepared_locally_uploaded_and_named_by_the_splits(s3_
     task, splits, rows = prepare(load_config(None, [f"data.dir={uri}"]), None)
     assert splits["train"].path == storage.join(uri, "digits", "train.parquet")  # the endpoint kept
     assert rows == {"train": 1347, "eval": 450}
-    assert set(_files(uri)) == {"digits/train.parquet", "digits/test.parquet"}
+    assert set(files_under(uri)) == {"digits/train.parquet", "digits/test.parquet"}
     staged, where = data_location(uri)
     assert where == uri and (staged / "digits" / "train.parquet").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["staging"]  # no local "s3:" directory
@@ -304,5 +304,5 @@ def test_the_built_in_tasks_read_a_uri_data_dir_from_the_store(s3_root, tmp_path
         if name == "dino":
             bank, labels = task.bank(torch.device("cpu"))
             assert task.bank_path == splits["train"].path and len(labels) == rows["train"] == 1347
-    assert {"digits", "shapes"} <= {p.split("/")[0] for p in _files(uri)}
-    assert any(p.startswith("patterns-") for p in _files(uri))
+    assert {"digits", "shapes"} <= {p.split("/")[0] for p in files_under(uri)}
+    assert any(p.startswith("patterns-") for p in files_under(uri))

@@ -272,8 +272,8 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
     from pathlib import Path
 
     from raytrain_loops.checkpoint import files as ckpt
-    from tests.checkpoint.test_checkpoint_files import _Exploit
     from tests.checkpoint.test_restore_fallback import rewritten
+    from tests.support.pickles import Exploit
 
     engine = _engine("fsdp", [])
     for step in range(2):
@@ -284,7 +284,7 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
     torch.distributed.barrier()
     if rank == 0:
         crafted = io.BytesIO()
-        torch.save({"rng": torch.zeros(1), "data": _Exploit(marker)}, crafted)
+        torch.save({"rng": torch.zeros(1), "data": Exploit(marker)}, crafted)
         rewritten(Path(run) / "checkpoint_00000002", ckpt.rank_file(1), crafted.getvalue(), rank=1)
     torch.distributed.barrier()
     fresh = _engine("fsdp", [])

@@ -14,94 +14,19 @@ from torch.utils.data import DataLoader, DistributedSampler
 from raytrain_loops.callbacks.run_log import RunLog
 from raytrain_loops.callbacks.spike_guard import SpikeGuard
 from raytrain_loops.config import ConfigError, load_config
-from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.engine.length import batches_per_epoch, total_steps
-from raytrain_loops.engine.loop import Callback, Loop, LoopSettings, Position
+from raytrain_loops.engine.loop import Callback, Position
 from raytrain_loops.errors import LossSpikeError, NonFiniteError
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.loops import CADENCE, Counting, loop_of, run_loop
 from tests.support.runfiles import records, tb_scalars
-
-BATCH = 4
-
-
-class FakeSource:
-    """``batches_per_epoch`` training batches per epoch (row ids ``epoch * 1000 + i``), shuffled
-    per epoch by a seeded generator, and 2 evaluation batches. Records every batch it yields."""
-
-    def __init__(self, batches_per_epoch: int, available: int | None = None, seed: int = 0):
-        self.batches_per_epoch = batches_per_epoch
-        self.available = batches_per_epoch if available is None else available  # fewer: this worker runs out
-        self.has_eval = True
-        self.seed = seed
-        self.yielded: list[tuple[int, int]] = []  # (epoch, batch index) of training batches
-        self.x, self.y = fakes.regression_data(n=BATCH * 64, seed=3)
-
-    def _batch(self, row: int):
-        return self.x[row * BATCH % len(self.x) :][:BATCH], self.y[row * BATCH % len(self.y) :][:BATCH]
-
-    def batches(self, split: str, epoch: int, start: int = 0):
-        if split == "eval":
-            return [self._batch(50 + i) for i in range(2)]
-        order = torch.randperm(self.available, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-        return self._train(epoch, order, start)
-
-    def _train(self, epoch, order, start):
-        for i in range(start, self.available):
-            self.yielded.append((epoch, i))
-            yield self._batch(order[i] + 7 * epoch)
-
-
-class Counting(Callback):
-    def __init__(self):
-        self.calls: dict[str, int] = {"on_step": 0, "on_interval": 0, "on_eval": 0, "before_checkpoint": 0, "close": 0}
-
-    def on_step(self, result, step, epoch):
-        self.calls["on_step"] += 1
-
-    def on_interval(self, metrics, step):
-        self.calls["on_interval"] += 1
-
-    def on_eval(self, metrics, step, epoch):
-        self.calls["on_eval"] += 1
-
-    def before_checkpoint(self):
-        self.calls["before_checkpoint"] += 1
-
-    def close(self):
-        self.calls["close"] += 1
-
-
-def _evaluate(model, batch):
-    x, y = batch
-    return {"mse": (torch.nn.functional.mse_loss(model(x), y), len(x))}
-
-
-def _loop(*overrides, batches=7, available=None, model=None, state=None, callbacks=(), loss_fn=fakes.mean_loss):
-    cfg = fakes.config("schedules.lr.value=0.05", *overrides)
-    source = FakeSource(batches, available)
-    total = total_steps(cfg.loop, cfg.accum, batches)
-    engine = Engine(model or fakes.make_model(), loss_fn, cfg.engine, total_steps=total)
-    if state is not None:
-        engine.load_state_dict(state)
-    reporter = fakes.RecordingReporter(engine)
-    return Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks), source, reporter
-
-
-def _run(*overrides, position=Position(), **kw):
-    loop, source, reporter = _loop(*overrides, **kw)
-    loop.run(position)
-    return loop.engine, source, reporter
-
-
-CADENCE = ["loop.epochs=3", "accum.steps=2", "eval.every_steps=0", "checkpoint.every_steps=4"]
-CADENCE += ["run.report_every_steps=2", "logging.every_steps=1"]
 
 
 def test_evaluations_reports_and_checkpoints_follow_their_cadence_and_the_final_ones_come_once():
     counting = Counting()
-    engine, source, reporter = _run(*CADENCE, callbacks=[counting])
+    engine, source, reporter = run_loop(*CADENCE, callbacks=[counting])
     # 7 batches of 2 micro-batches: 3 steps an epoch (one batch dropped), 9 in all.
     assert engine.step == 9 and engine.epoch == 3
     seen = [(r["metrics"]["step"], r["checkpoint"], "eval_mse" in r["metrics"]) for r in reporter.reports]
@@ -121,7 +46,7 @@ def test_evaluations_reports_and_checkpoints_follow_their_cadence_and_the_final_
 
 
 def test_eval_and_checkpoint_every_n_steps_leave_epoch_ends_alone():
-    engine, _, reporter = _run(
+    engine, _, reporter = run_loop(
         "loop.epochs=2", "accum.steps=1", "eval.every_steps=5", "checkpoint.every_steps=5", "run.report_every_steps=100"
     )
     seen = [(r["metrics"]["step"], r["checkpoint"], r["metrics"].get("done")) for r in reporter.reports]
@@ -130,10 +55,10 @@ def test_eval_and_checkpoint_every_n_steps_leave_epoch_ends_alone():
 
 
 def test_a_run_resumed_mid_epoch_continues_bit_for_bit_with_the_batches_it_had_left():
-    straight, straight_source, reporter = _run(*CADENCE)
+    straight, straight_source, reporter = run_loop(*CADENCE)
     state, position = reporter.saved[4]  # step 4: epoch 1, 2 batches in
     assert position == Position(1, 2)
-    resumed, resumed_source, _ = _run(*CADENCE, model=fakes.make_model(seed=9), position=position, state=state)
+    resumed, resumed_source, _ = run_loop(*CADENCE, model=fakes.make_model(seed=9), position=position, state=state)
     assert resumed.step == straight.step == 9
     for name, value in straight.module.state_dict().items():
         assert torch.equal(value, resumed.module.state_dict()[name]), name
@@ -165,14 +90,14 @@ SPIKE = ["loop.epochs=2", "checkpoint.every_steps=4", "spike.factor=5", "spike.w
 
 def test_a_resumed_run_calls_a_loss_spike_where_the_uninterrupted_one_does(tmp_path):
     spike = fakes.config(*SPIKE).spike
-    straight, _, reporter = _loop(*SPIKE, loss_fn=_scaled_at(6, 100.0), callbacks=[SpikeGuard(spike)])
+    straight, _, reporter = loop_of(*SPIKE, loss_fn=_scaled_at(6, 100.0), callbacks=[SpikeGuard(spike)])
     with pytest.raises(LossSpikeError) as called:
         straight.run()
     state, position = reporter.saved[4]
     assert position == Position(0, 4) and len(state["callbacks"]["SpikeGuard"]["history"]) == 4
     # Resumed at step 4, the guard has one loss of its own before step 6, fewer than min_steps:
     # only the saved history lets it call the spike, on the same mean.
-    resumed, _, _ = _loop(
+    resumed, _, _ = loop_of(
         *SPIKE,
         loss_fn=_scaled_at(6, 100.0),
         callbacks=[SpikeGuard(spike)],
@@ -191,12 +116,12 @@ def test_a_resumed_run_counts_skipped_updates_in_a_row_from_before_the_checkpoin
     # 4 batches an epoch: updates 1-3 apply, then every call for update 4 is NaN. The epoch ends
     # (and checkpoints) after the first such skip; the third in a row, early in epoch 1, stops.
     nan = _scaled_at(4, float("nan"))
-    straight, straight_source, reporter = _loop(*SKIPS, batches=4, loss_fn=nan)
+    straight, straight_source, reporter = loop_of(*SKIPS, batches=4, loss_fn=nan)
     with pytest.raises(NonFiniteError, match="3 updates in a row"):
         straight.run()
     state, position = reporter.saved[3]
     assert position == Position(1, 0) and state["counters"]["in_a_row_nonfinite"] == 1
-    resumed, resumed_source, _ = _loop(
+    resumed, resumed_source, _ = loop_of(
         *SKIPS, batches=4, loss_fn=nan, model=fakes.make_model(seed=9), state=_through_a_file(state, tmp_path)
     )
     with pytest.raises(NonFiniteError, match="3 updates in a row"):
@@ -211,7 +136,7 @@ def test_a_resumed_run_counts_skipped_updates_in_a_row_from_before_the_checkpoin
 
 
 def test_max_steps_inside_an_epoch_stops_there_and_checkpoints_the_position():
-    engine, source, reporter = _run("loop.max_steps=5", "accum.steps=2", "checkpoint.every_steps=100")
+    engine, source, reporter = run_loop("loop.max_steps=5", "accum.steps=2", "checkpoint.every_steps=100")
     assert engine.step == 5 and engine.epoch == 1
     assert reporter.reports[-1]["checkpoint"] == Position(1, 4)  # 2 steps of 2 batches into epoch 1
     assert [r["checkpoint"] is not None for r in reporter.reports] == [False, True]  # epoch 0's end; the final one
@@ -222,7 +147,7 @@ def _uneven(rank: int, world: int):
     torch.manual_seed(0)
     counting = Counting()
     # Worker 1 has 2 batches fewer per epoch: it joins its last steps with placeholders.
-    engine, _, reporter = _run(
+    engine, _, reporter = run_loop(
         *CADENCE,
         "logging.every_steps=2",
         available=7 if rank == 0 else 5,
@@ -294,13 +219,13 @@ def _epoch_averages(rank: int, world: int):
     torch.manual_seed(0)
     kw = {"loss_fn": _weighted_by_rank(rank), "available": 7 if rank == 0 else 5}
     straight = EpochRecords()
-    loop, _, reporter = _loop(*EPOCHS, model=DDP(fakes.make_model()), callbacks=[straight], **kw)
+    loop, _, reporter = loop_of(*EPOCHS, model=DDP(fakes.make_model()), callbacks=[straight], **kw)
     loop.run()
     state, position = reporter.saved[4]  # one step into epoch 1
     # Every worker resumes from rank 0's shared state with its own RNG, as from a checkpoint.
     shared = collectives.all_gather_object(state)[0]
     resumed = EpochRecords()
-    loop2, _, reporter2 = _loop(
+    loop2, _, reporter2 = loop_of(
         *EPOCHS,
         model=DDP(fakes.make_model(seed=9)),
         state={**shared, "rng": state["rng"]},
@@ -344,12 +269,12 @@ def test_epoch_averages_over_two_workers_continue_across_a_mid_epoch_resume():
 def test_a_run_stopped_inside_an_epoch_by_max_steps_leaves_its_sums_to_a_longer_rerun():
     base = ["accum.steps=2", "checkpoint.every_steps=0", "logging.every_steps=2"]
     straight, whole = EpochRecords(), EpochRecords()
-    _run(*base, "loop.max_steps=6", callbacks=[whole])  # two epochs of 3 updates
-    _, _, reporter = _run(*base, "loop.max_steps=5", callbacks=[straight])
+    run_loop(*base, "loop.max_steps=6", callbacks=[whole])  # two epochs of 3 updates
+    _, _, reporter = run_loop(*base, "loop.max_steps=5", callbacks=[straight])
     state, position = reporter.saved[5]  # the final checkpoint, 2 updates into epoch 1
     assert [e for e, _, _ in straight.records] == [0] and position == Position(1, 4)
     rerun = EpochRecords()
-    _run(*base, "loop.max_steps=6", model=fakes.make_model(seed=9), state=state, position=position, callbacks=[rerun])
+    run_loop(*base, "loop.max_steps=6", model=fakes.make_model(seed=9), state=state, position=position, callbacks=[rerun])
     assert _untimed(rerun.records) == _untimed(whole.records[1:])
 
 
@@ -382,10 +307,10 @@ def test_a_run_resumed_from_a_checkpoint_logs_each_step_epoch_and_evaluation_onc
     def log(run_dir, **kw):
         return RunLog(str(run_dir), rank=0, total_steps=12, progress=False, **kw)
 
-    _run(*REPLAY, batches=4, callbacks=[log(tmp_path / "straight")])
+    run_loop(*REPLAY, batches=4, callbacks=[log(tmp_path / "straight")])
     # The first attempt crashes at step 6, after writing epoch 0's end and evaluation (at step
     # 4, after the checkpoint) and steps 5-6; everything it wrote is in the files.
-    loop, _, reporter = _loop(*REPLAY, batches=4, callbacks=[log(tmp_path / "run"), Crash(6)])
+    loop, _, reporter = loop_of(*REPLAY, batches=4, callbacks=[log(tmp_path / "run"), Crash(6)])
     with pytest.raises(RuntimeError, match="crashed at step 6"):
         loop.run()
     state, position = reporter.saved[4]
@@ -394,7 +319,7 @@ def test_a_run_resumed_from_a_checkpoint_logs_each_step_epoch_and_evaluation_onc
     # The resumed attempt keeps what was written up to the checkpoint, then writes the rest.
     kept = state["callbacks"]["RunLog"]["files"]
     resumed = log(tmp_path / "run", start_step=4, kept=kept)
-    _run(*REPLAY, batches=4, model=fakes.make_model(seed=9), state=state, position=position, callbacks=[resumed])
+    run_loop(*REPLAY, batches=4, model=fakes.make_model(seed=9), state=state, position=position, callbacks=[resumed])
 
     logs, scalars = _logged(tmp_path / "run")
     assert [r["step"] for r in logs["metrics.jsonl"]] == list(range(1, 13))

@@ -12,9 +12,9 @@ from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
-from tests.engine.test_loop_cadence import FakeSource, _evaluate
 from tests.support import fakes
 from tests.support.fakes import RecordingReporter
+from tests.support.loops import FakeSource, evaluate_mse
 
 
 def _run(run_dir: Path, *overrides: str, state=None) -> tuple[Profile, Engine]:
@@ -25,7 +25,7 @@ def _run(run_dir: Path, *overrides: str, state=None) -> tuple[Profile, Engine]:
         engine.load_state_dict(state)
     profile = Profile(cfg.logging.profile, str(run_dir), 0, engine.device)
     reporter = RecordingReporter(engine)
-    Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, [profile]).run()
+    Loop(engine, source, reporter, LoopSettings.of(cfg), evaluate_mse, [profile]).run()
     return profile, reporter
 
 

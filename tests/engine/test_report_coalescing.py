@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from raytrain_loops.engine.coalesce import Coalescing, skipping_note
 from raytrain_loops.engine.loop import Callback, Position
-from tests.engine.test_loop_cadence import Counting, _loop
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.loops import Counting, loop_of
 
 
 def test_a_periodic_report_is_skipped_while_one_is_in_flight_the_final_and_a_forced_one_never():
@@ -77,7 +77,7 @@ CADENCE += ["run.report_every_steps=100", "logging.every_steps=1"]
 
 
 def _coalesced(*overrides, callbacks=()):
-    loop, _, _ = _loop(*CADENCE, *overrides, batches=4, callbacks=callbacks)
+    loop, _, _ = loop_of(*CADENCE, *overrides, batches=4, callbacks=callbacks)
     reporter = SlowlyTaken(loop.engine)
     loop.reporter = reporter
     loop.run(Position())
@@ -122,7 +122,7 @@ def test_with_coalescing_off_every_report_goes_out_in_flight_or_not():
 def _in_flight_on_rank_1(rank: int, world: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    loop, _, _ = _loop(*CADENCE, batches=4, model=DDP(fakes.make_model()))
+    loop, _, _ = loop_of(*CADENCE, batches=4, model=DDP(fakes.make_model()))
     reporter = SlowlyTaken(loop.engine, boundaries=2 if rank == 1 else 0)
     loop.reporter = reporter
     loop.run(Position())

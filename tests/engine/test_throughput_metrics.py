@@ -15,10 +15,10 @@ from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, LossOutput, unwrap
 from raytrain_loops.engine.length import total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings
-from tests.engine.test_loop_cadence import BATCH, FakeSource, _evaluate
 from tests.support import fakes
 from tests.support.fakes import RecordingReporter
 from tests.support.gloo import run_gloo
+from tests.support.loops import BATCH, FakeSource, evaluate_mse
 
 # TinyNet(6 -> 16 -> 3) per sample: forward 2 * (6 * 16 + 16 * 3) = 288 multiply-adds counted
 # twice; backward: the encoder's weight gradient (192; its input needs none), the head's weight
@@ -86,7 +86,7 @@ def _train(rank: int, world: int, overrides: tuple[str, ...], throughput: bool, 
     torch.manual_seed(10 + rank)
     reporter = RecordingReporter(engine)
     callbacks = [Throughput(cfg.logging.throughput, engine, prod_loss)] if throughput else []
-    Loop(engine, source, reporter, LoopSettings.of(cfg), _evaluate, callbacks).run()
+    Loop(engine, source, reporter, LoopSettings.of(cfg), evaluate_mse, callbacks).run()
     intervals = [r["metrics"] for r in reporter.reports]
     return {"metrics": intervals, "weights": fakes.params(engine.module), "rng": torch.rand(3)}
 
@@ -158,7 +158,7 @@ def test_a_count_that_fails_leaves_out_the_flop_metrics_with_a_warning_and_the_r
 
     cb = Intervals(cfg.logging.throughput, engine, first_call_runs_out_of_memory)
     with pytest.warns(UserWarning, match=r"could not be counted \(no room for a copy of the model\)"):
-        Loop(engine, FakeSource(7), RecordingReporter(engine), LoopSettings.of(cfg), _evaluate, [cb]).run()
+        Loop(engine, FakeSource(7), RecordingReporter(engine), LoopSettings.of(cfg), evaluate_mse, [cb]).run()
     assert engine.step == 4 and [sorted(k for k in m if "flops" in k or k == "mfu") for m in intervals] == [[], []]
     assert all(m["samples_per_s"] > 0 for m in intervals)
 
@@ -219,7 +219,7 @@ def _sharded(rank: int, world: int):
     engine = Engine(model, fakes.sum_loss, cfg.engine, total_steps=4)
     reporter = RecordingReporter(engine)
     counted = Throughput(cfg.logging.throughput, engine, fakes.sum_loss, plain=plain)
-    Loop(engine, FakeSource(7), reporter, LoopSettings.of(cfg), _evaluate, [counted]).run()
+    Loop(engine, FakeSource(7), reporter, LoopSettings.of(cfg), evaluate_mse, [counted]).run()
     return [r["metrics"] for r in reporter.reports]
 
 

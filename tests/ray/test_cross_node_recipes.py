@@ -27,7 +27,7 @@ import pytest
 from raytrain_loops import storage
 from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.data.formats import identity
-from tests.recipes.test_hf_lm_task import _corpus
+from tests.support.hf_lm import write_corpus
 from tests.support.vision_data import write_coco
 
 TINY_GPT2 = '{"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}'
@@ -83,7 +83,7 @@ def _where(run_dir: str) -> tuple[set[str], set[str]]:
 @pytest.mark.ray
 @pytest.mark.timeout(480)  # two 2-worker runs, a conversion and a rerun on the two-node bed
 def test_hf_lm_and_seamseg_on_converted_coco_train_and_preprocess_on_both_nodes_from_the_bucket(cluster, tmp_path):
-    text = _corpus(tmp_path / "text" / "a.jsonl", 200, 0, "the list")
+    text = write_corpus(tmp_path / "text" / "a.jsonl", 200, 0, "the list")
     cluster.ensure_second()
     nodes = {n["node_id"] for n in cluster.nodes()}
     assert len(nodes) == 2 and not cluster.second_sees(text)

@@ -18,9 +18,9 @@ from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed import collectives
 from raytrain_loops.errors import GroupBrokenError
-from tests.engine.test_loop_cadence import CADENCE, _loop
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.loops import CADENCE, loop_of
 
 NODE = "3dc816233c50b58c3bea8ee7174645bad8c6f5aea350214dc36b4a2c"
 
@@ -54,7 +54,7 @@ def _noticed(rank: int, world: int):
     torch.manual_seed(0)
     lines = Lines()
     check = PreemptionCheck(_rank0_notice_from(5), rank, lines, max_preemptions=3)
-    loop, _, reporter = _loop(*CADENCE, "logging.every_steps=100", model=DDP(fakes.make_model()), callbacks=[check])
+    loop, _, reporter = loop_of(*CADENCE, "logging.every_steps=100", model=DDP(fakes.make_model()), callbacks=[check])
     loop.run()
     return {
         "checkpoints": [

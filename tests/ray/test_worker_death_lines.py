@@ -20,7 +20,7 @@ from raytrain_loops.console.capture import Console
 from raytrain_loops.console.deaths import SUDDEN, death
 from raytrain_loops.console.display import Display
 from raytrain_loops.controller.announcer import Announcer
-from tests.cli.test_console_display import Recorder
+from tests.support.senders import Recorder
 
 FIXTURES = json.loads((Path(__file__).resolve().parents[1] / "support" / "fixtures" / "ray_deaths.json").read_text())
 TRAIN = FIXTURES["train_health_check_failed"]  # worker 1's, killed by fault.plan in a real run

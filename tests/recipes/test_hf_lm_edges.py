@@ -24,8 +24,8 @@ import torch
 
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
-from tests.recipes.test_hf_lm_task import TINY_GPT2, _config, _corpus, corpus  # noqa: F401  (the module's text fixture)
 from tests.support import fakes
+from tests.support.hf_lm import TINY_GPT2, corpus, hf_lm_config  # noqa: F401  (the module's text fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -229,7 +229,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_a_bpe_i
     _task(corpus, tmp_path / "scratch")._tokenizer().save_pretrained(str(tokenizer_dir))
     with pytest.raises(ConfigError, match=r"task.params.tokenizer: has 400 tokens, more than the 350 of the model"):
         HFLMTask(model=str(small), tokenizer=str(tokenizer_dir), text=corpus, text_key="body")
-    config = _config(tmp_path, "small", model=str(small), tokenizer={"train": {"vocab_size": 400}}, text=corpus)
+    config = hf_lm_config(tmp_path, "small", model=str(small), tokenizer={"train": {"vocab_size": 400}}, text=corpus)
     with pytest.raises(ConfigError, match="task.params.tokenizer: has 400 tokens"):
         fit(config)
     assert not (tmp_path / "runs").exists() and not list((tmp_path / "data").glob("hf_lm/bpe-*"))
@@ -270,7 +270,7 @@ def _prefetch_threads() -> list[threading.Thread]:
 
 
 def test_the_prefetch_thread_ends_with_its_epoch_when_a_step_fails_while_the_traceback_is_held(tmp_path, corpus):  # noqa: F811
-    config = _config(tmp_path, "failing", model=TINY_GPT2, text=corpus)
+    config = hf_lm_config(tmp_path, "failing", model=TINY_GPT2, text=corpus)
     config["fault"] = {"plan": [{"step": 12, "kind": "raise"}]}
     config["data"]["preprocess"] = {"batch_rows": 8}  # many parts an epoch: the thread waits on a full queue
     assert not _prefetch_threads()
@@ -293,7 +293,7 @@ def test_auto_micro_batching_after_an_oom_gives_the_weights_of_a_run_at_the_smal
     from raytrain_loops.checkpoint import files as ckpt
 
     def run(name: str, **sections) -> tuple:
-        config = _config(tmp_path, name, text=corpus, model=TINY_GPT2)
+        config = hf_lm_config(tmp_path, name, text=corpus, model=TINY_GPT2)
         config.update(loop={"max_steps": 3, "seed": 0}, checkpoint={"every_steps": 3}, eval={"every_steps": 3})
         config["data"] = {**config["data"], "batch_size": sections.pop("batch_size", 8)}
         result = fit({**config, **sections})

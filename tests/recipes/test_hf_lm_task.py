@@ -20,12 +20,13 @@ import yaml
 from raytrain_loops import fit
 from raytrain_loops.config import ConfigError
 from raytrain_loops.data.parquet import ROW_SEED
-from tests.checkpoint.test_run_dir_on_s3 import s3_root, s3_server  # noqa: F401  (a real S3 API: moto's server)
+from tests.support import hf_lm
+from tests.support.hf_lm import TINY_GPT2, hf_lm_config, write_corpus
 from tests.support.recording import restored
 from tests.support.runfiles import records
+from tests.support.s3 import s3_root, s3_server  # noqa: F401  (a real S3 API: moto's server)
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}
 TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,
@@ -35,43 +36,7 @@ TINY_LLAMA = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
 }
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
-
-
-def _corpus(path: Path, docs: int, seed: int, sentence: str) -> Path:
-    """JSONL documents of a small repetitive language (a model learns it in a few dozen steps)."""
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for d in range(docs):
-            words = [WORDS[(d + i) % len(WORDS)] for i in range(int(rng.integers(5, 40)))]
-            f.write(json.dumps({"body": f"{sentence} {d}: " + " ".join(words) + ". é ü"}) + "\n")
-    return path
-
-
-def _config(tmp_path: Path, name: str, **params) -> dict:
-    return {
-        "task": {"name": "hf_lm", "params": {"max_len": 32, "text_key": "body", **params}},
-        "loop": {"max_steps": 60, "seed": 0},
-        "loss": {"reduction": "sum"},
-        "data": {"dir": str(tmp_path / "data"), "batch_size": 8, "eval_batch_size": 16},
-        "optim": {"name": "adamw"},
-        "schedules": {"lr": {"kind": "cosine", "value": 1e-2, "end": 1e-4, "warmup_steps": 5}},
-        "eval": {"every_steps": 30},
-        "checkpoint": {"every_steps": 30},
-        "scaling": {"num_workers": 0},
-        "logging": {"every_steps": 10},
-        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "progress": False},
-    }
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("text")
-    return {
-        "train": [str(_corpus(root / "train" / "a.jsonl", 300, 0, "the list"))],
-        "eval": [str(_corpus(root / "eval.jsonl", 40, 1, "the list"))],
-    }
+corpus = hf_lm.corpus  # the text fixture (module-scoped)
 
 
 def test_packed_rows_tokenize_to_one_sequence_each_and_count_the_bytes_their_targets_cover(tmp_path, corpus):
@@ -123,7 +88,7 @@ def test_the_transformer_layers_are_the_blocks_found_from_the_model(config, bloc
 def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tunes_from_it(tmp_path, corpus):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    result = fit(_config(tmp_path, "scratch", model=TINY_GPT2, text=corpus))
+    result = fit(hf_lm_config(tmp_path, "scratch", model=TINY_GPT2, text=corpus))
     evals = records(Path(result.run_dir) / "eval.jsonl")
     assert [e["step"] for e in evals] == [30, 60]
     metrics = records(Path(result.run_dir) / "metrics.jsonl")
@@ -156,7 +121,7 @@ def test_an_hf_lm_trains_locally_exports_a_model_transformers_loads_and_fine_tun
     # Fine-tuning from the exported directory, on other text, with examples/finetune_hf.yaml (at a
     # reduced size): its first steps start where the exported model ended, far below a fresh
     # model's loss.
-    other = _corpus(tmp_path / "other.jsonl", 200, 5, "the list")
+    other = write_corpus(tmp_path / "other.jsonl", 200, 5, "the list")
     example = [f"task.params.model={out}", f"task.params.tokenizer={out}", f"task.params.text={{train: [{other}]}}"]
     example += ["task.params.text_key=body", "task.params.max_len=32", "data.batch_size=8", "loop.max_steps=10"]
     example += [f"data.dir={tmp_path / 'data'}", f"run.storage_path={tmp_path / 'runs'}", "run.name=tuned"]
@@ -178,7 +143,7 @@ def test_bad_params_and_a_missing_extra_are_named_before_anything_runs(monkeypat
     with pytest.raises(ConfigError, match=r"task.params.text: takes train and eval .*; got \['eval'\]"):
         HFLMTask(text={"eval": ["x"]})
     with pytest.raises(ConfigError, match="task.params.text_key: .*a.jsonl' line 1 has no key 'nope'"):
-        HFLMTask(text={"train": [str(_corpus(tmp_path / "a.jsonl", 3, 0, "x"))]}, text_key="nope").prepare(tmp_path)
+        HFLMTask(text={"train": [str(write_corpus(tmp_path / "a.jsonl", 3, 0, "x"))]}, text_key="nope").prepare(tmp_path)
     trained = tmp_path / "trained"
     trained.mkdir()
     (trained / "config.json").write_text("{}")
@@ -285,8 +250,8 @@ def test_the_found_blocks_compile_regionally_with_the_same_names_loss_and_gradie
 def test_an_interrupted_hf_lm_run_resumes_to_the_uninterrupted_runs_weights(tmp_path, corpus):
     from raytrain_loops.checkpoint import files as ckpt
 
-    whole = fit(_config(tmp_path, "whole", model=TINY_LLAMA, text=corpus))
-    cut = _config(tmp_path, "cut", model=TINY_LLAMA, text=corpus)
+    whole = fit(hf_lm_config(tmp_path, "whole", model=TINY_LLAMA, text=corpus))
+    cut = hf_lm_config(tmp_path, "cut", model=TINY_LLAMA, text=corpus)
     # A fault fires before its step's report: after step 31, the checkpoint at 30 (mid-epoch) is the last.
     cut["fault"] = {"plan": [{"step": 31, "kind": "raise"}]}
     with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 31"):
@@ -418,7 +383,7 @@ def test_a_resume_with_a_new_tokenizer_or_data_is_refused_unless_allowed_and_a_c
     original = Path(corpus["train"][0]).read_bytes()
     text.write_bytes(original)
     mine = {"train": [str(text)], "eval": corpus["eval"]}
-    config = _config(tmp_path, "pinned", model=TINY_GPT2, text=mine)
+    config = hf_lm_config(tmp_path, "pinned", model=TINY_GPT2, text=mine)
     config["fault"] = {"plan": [{"step": 30, "kind": "raise"}, {"step": 40, "kind": "raise"}]}
     with pytest.raises(RuntimeError, match=r"fault\.plan\[0\] after step 30"):
         fit(config)

@@ -16,8 +16,8 @@ from torch import nn
 from raytrain_loops.config import ConfigError, load_config
 from raytrain_loops.engine import Engine, LossOutput, schedule_value
 from raytrain_loops.engine.optim import ema as ema_arithmetic
-from tests.engine.test_loop_cadence import _run
 from tests.support import fakes
+from tests.support.loops import run_loop
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -259,7 +259,7 @@ def test_deviation_the_epochs_leftover_micro_batch_is_read_and_dropped_without_a
         return fakes.mean_loss(model, batch, ctx)
 
     # 7 batches an epoch, 2 micro-batches an update: 3 updates, batch 6 left over, in both epochs.
-    engine, source, _ = _run("loop.epochs=2", "accum.steps=2", "accum.reduce=sum", loss_fn=counting)
+    engine, source, _ = run_loop("loop.epochs=2", "accum.steps=2", "accum.reduce=sum", loss_fn=counting)
     assert engine.step == 6 and engine.counts["micro_batches"] == 12
     assert len(calls) == 12  # no forward on the two leftovers
     assert source.yielded == [(e, i) for e in range(2) for i in range(7)]  # read to the end
@@ -290,7 +290,7 @@ def test_deviation_the_run_stops_after_loop_max_steps_updates_not_one_micro_batc
         return fakes.mean_loss(model, batch, ctx)
 
     # 7 batches an epoch; 5 updates cross into the second epoch when accumulating.
-    engine, _, reporter = _run("loop.max_steps=5", f"accum.steps={accum}", loss_fn=counting)
+    engine, _, reporter = run_loop("loop.max_steps=5", f"accum.steps={accum}", loss_fn=counting)
     assert engine.step == 5 and reporter.reports[-1]["metrics"]["step"] == 5
     assert len(calls) == engine.counts["micro_batches"] == 5 * accum
     assert _cvnets_micro_batches_run(5 * accum, 7) == 5 * accum + 1
