@@ -1,5 +1,6 @@
 """Every use of a private part of Ray (``ray._private``, a ``_internal`` package, a ``_``-named
-attribute), in one place: Ray may move or drop any of them in a release without notice.
+attribute), in one place: Ray may move or drop any of them in a release without notice. A public
+part that Ray has deprecated is kept here too, so that the same check names it when it goes.
 
 Each part is a :class:`Private` entry naming the public feature it serves and what a user loses
 without it, and has one accessor below returning the object, or None where the installed Ray
@@ -200,6 +201,24 @@ DATASET_EXECUTOR = Private(
 )
 
 
+DATA_PLACEMENT = Private(
+    "ray.data.context",
+    "DataContext",
+    serves="preprocessing tasks placed on their worker's node first, where its blocks are read, not fetched",
+    without="Ray Data places the preprocessing tasks itself; a worker's blocks may come from other nodes",
+    # Public, but deprecated by Ray 2.60 (to be removed after January 2027): kept here so that the
+    # check of a newer Ray names it when it goes.
+    needs=("scheduling_strategy", "scheduling_strategy_large_args"),
+)
+
+
+def place_first_on(ctx: Any, strategy: Any) -> None:
+    """Ray Data's tasks under ``ctx`` placed by ``strategy`` first (a soft node affinity), where the
+    installed Ray still reads ``DataContext.scheduling_strategy``."""
+    if get(DATA_PLACEMENT) is not None:
+        ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = strategy
+
+
 def available_resources_per_node() -> Any:
     """Ray's reading of each node's available resources (a function of no argument, node id ->
     resource -> amount); None: the totals only."""
@@ -265,6 +284,7 @@ ENTRIES = (
     REPORT_INDICES,
     NODE_RESOURCES,
     DATASET_EXECUTOR,
+    DATA_PLACEMENT,
     PREPARE_CONFIG,
     VALIDATE_CONFIG,
     AWS_INTERFACES,

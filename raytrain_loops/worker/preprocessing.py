@@ -24,6 +24,7 @@ import ray
 import ray.train
 import ray.train.torch
 
+from raytrain_loops import ray_private
 from raytrain_loops.config import Config
 from raytrain_loops.config.run import DataConfig, PreprocessConfig
 from raytrain_loops.console.feed import Sender
@@ -221,7 +222,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     ctx = ds.context
     # This worker's node first, where it can place them: its blocks are read there, not fetched.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = here
+    ray_private.place_first_on(ctx, here)
     ctx.execution_options.preserve_order = True
     block = block_bytes(memory)
     limit = max(block, memory - 3 * 1.5 * block)

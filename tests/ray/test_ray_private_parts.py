@@ -124,6 +124,23 @@ def test_a_missing_part_names_the_ray_version_and_says_its_fallback_once(caplog)
     assert Private("ray._private.no_such_module", "x", "a", "b").resolve() == (None, "ray._private.no_such_module")
 
 
+def test_preprocessing_is_placed_on_its_node_first_while_ray_data_reads_the_deprecated_field(monkeypatch):
+    """``DataContext.scheduling_strategy`` (deprecated by Ray): set where the installed Ray has it;
+    where a Ray has dropped it, left alone (no attribute Ray would not read) and said once."""
+    from ray.data import DataContext
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy("ab" * 28, soft=True)
+    ctx = DataContext()
+    ray_private.place_first_on(ctx, here)
+    assert ctx.scheduling_strategy is here and ctx.scheduling_strategy_large_args is here
+    dropped = Private("ray.data.context", "DataContext", "placement", "placed by Ray Data", needs=("no_such_field",))
+    monkeypatch.setattr(ray_private, "DATA_PLACEMENT", dropped)
+    ctx = DataContext()
+    ray_private.place_first_on(ctx, here)
+    assert ctx.scheduling_strategy is not here and not hasattr(ctx, "no_such_field")
+
+
 def test_the_cluster_lint_reports_a_ray_without_its_parts_as_a_problem(monkeypatch):
     gone = Private("ray.autoscaler._private.util", "no_prepare_config", "the lint", "no lint", fallback=False)
     monkeypatch.setattr(ray_private, "PREPARE_CONFIG", gone)
