@@ -5,8 +5,6 @@ up with the same checkpoint. Real files, real gloo process groups."""
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import pickle
 import re
 from pathlib import Path
@@ -19,27 +17,20 @@ from raytrain_loops.callbacks.run_log import RunLog, kept_files
 from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.checkpoint.ray_reporter import RayReporter
 from raytrain_loops.checkpoint.restore import candidates
-from raytrain_loops.config import load_config
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.loop import Position
 from tests.support import fakes
+from tests.support.checkpoints import rewritten, tiny_engine
 from tests.support.gloo import run_gloo
 from tests.support.pickles import Exploit
 from tests.support.runfiles import records, tb_scalars
-
-
-def _engine(seed: int = 0) -> Engine:
-    model = fakes.make_model(seed=seed)
-    if torch.distributed.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    return Engine(model, fakes.mean_loss, load_config(None).engine, total_steps=100)
 
 
 def _write_checkpoint(run_dir: Path, step: int, world: int, seed: int = 0, callbacks: dict | None = None) -> Path:
     """A checkpoint as the workers of a ``world``-sized group write it (what RayReporter.report
     writes, without Ray): rank 0 the shared state (with ``callbacks``, the callbacks' states),
     every rank its RNG and data position."""
-    engine = _engine(seed)
+    engine = tiny_engine(seed)
     engine.step = step
     engine.callback_state = callbacks or {}
     d = run_dir / f"checkpoint_{step:08d}"
@@ -59,7 +50,7 @@ def _cut(path: Path) -> None:
 def test_a_run_whose_every_checkpoint_is_damaged_starts_from_the_beginning(tmp_path, capsys):
     run = tmp_path / "run"
     _cut(_write_checkpoint(run, 6, world=1) / ckpt.STATE)  # a first upload cut off by a preemption
-    reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+    reporter = RayReporter(tiny_engine(seed=3), 0, 1, str(run))
     assert reporter.restore_from(candidates(str(run), None)) is None
     assert reporter.engine.step == 0
     assert reporter.loaded["started_fresh"] and reporter.loaded["checkpoint"] is None
@@ -68,7 +59,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_from_the_beginning(tmp_p
     assert f"no intact checkpoint in {run} (1 damaged); starting from the beginning" in out
 
     donor = _write_checkpoint(tmp_path / "donor", 4, world=1, seed=5)  # the init checkpoint, when given
-    again = RayReporter(_engine(seed=3), 0, 1, str(run))
+    again = RayReporter(tiny_engine(seed=3), 0, 1, str(run))
     assert again.restore_from(candidates(str(run), None), init_checkpoint=str(donor)) == Position(0, 4)
     assert again.engine.step == 4 and again.loaded["checkpoint"] == str(donor)
     assert len(again.loaded["skipped"]) == 1 and f"starting from {donor}" in capsys.readouterr().out
@@ -89,7 +80,7 @@ def test_a_run_log_keeps_what_the_runs_own_checkpoint_recorded_and_nothing_when_
     donor = _write_checkpoint(tmp_path / "donor", 4, world=1, callbacks={"RunLog": {"files": {"metrics.jsonl": 10**6}}})
 
     def kept(init: Path | None = None) -> dict[str, int] | None:
-        reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+        reporter = RayReporter(tiny_engine(seed=3), 0, 1, str(run))
         reporter.restore_from(candidates(str(run), None), init_checkpoint=init and str(init))
         return kept_files(reporter.loaded, reporter.engine.callback_state)
 
@@ -116,7 +107,7 @@ def test_a_run_whose_checkpoints_are_whole_but_refused_by_the_loader_stops_inste
     run = tmp_path / "run"
     d = run / "checkpoint_00000006"
     ckpt.write_files(d, 0, {ckpt.STATE: {"model": Path("not a tensor")}, ckpt.rank_file(0): {}}, 1)
-    reporter = RayReporter(_engine(seed=3), 0, 1, str(run))
+    reporter = RayReporter(tiny_engine(seed=3), 0, 1, str(run))
     with pytest.raises(ckpt.CheckpointError, match="1 were refused by torch.load"):
         reporter.restore_from(candidates(str(run), None))
 
@@ -162,7 +153,7 @@ def _restore_with_failing_reads(rank: int, world: int, run: str, failing_rank: i
             return real_load(path, *args, **kwargs)
 
         torch.load = load
-    reporter = RayReporter(_engine(seed=9), rank, world, run)
+    reporter = RayReporter(tiny_engine(seed=9), rank, world, run)
     position = reporter.restore_from(candidates(run, None))
     return {"position": position.batches, "loaded": reporter.loaded["checkpoint"]}
 
@@ -179,7 +170,7 @@ def test_a_worker_that_cannot_read_the_newest_checkpoint_does_not_take_an_older_
 
 
 def _restore_from_listing(rank: int, world: int, listings: list[list[str]]) -> int:
-    reporter = RayReporter(_engine(seed=9), rank, world, "unused")
+    reporter = RayReporter(tiny_engine(seed=9), rank, world, "unused")
     return reporter.restore_from(listings[rank]).batches
 
 
@@ -226,15 +217,6 @@ def _write_sharded(run_dir: Path, step: int, seed: int = 0, change=None) -> Path
     files = {ckpt.rank_file(0): {"rng": state.pop("rng"), "data": {"epoch": 0, "batches": step}}}
     ckpt.write_sharded(d, 0, files, state, 1)
     return d
-
-
-def rewritten(d: Path, name: str, data: bytes, rank: int = 0) -> None:
-    """Replace a checkpoint file and its entry in ``rank``'s manifest: damage no checksum can show."""
-    (d / name).write_bytes(data)
-    path = d / f"manifest.rank{rank}.json"
-    manifest = json.loads(path.read_text())
-    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    path.write_text(json.dumps(manifest))
 
 
 def test_a_crafted_dcp_metadata_runs_nothing_and_the_restore_takes_the_checkpoint_before(tmp_path):

@@ -22,10 +22,7 @@ from raytrain_loops.checkpoint import files as ckpt
 from raytrain_loops.config import load_config
 from raytrain_loops.driver import fit as fit_module
 from raytrain_loops.driver.run_checks import RunLock, RunLocked
-
-
-class RayWouldStart(Exception):
-    """Raised where fit would start Ray: everything before it ran."""
+from tests.support.run_dirs import RayWouldStart, spiral_config, started_run
 
 
 @pytest.fixture
@@ -36,31 +33,9 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(fit_module, "ensure_ray", stop)
 
 
-def _config(tmp_path: Path, **sections) -> dict:
-    config = {**CONFIG, "loop": {"epochs": 1}, "run": {"name": "r", "storage_path": str(tmp_path), "progress": False}}
-    for section, values in sections.items():
-        config[section] = {**config.get(section, {}), **values}
-    return config
-
-
-def _started(tmp_path: Path, config: dict, steps: tuple[int, ...] = (8,)) -> Path:
-    """A run directory as an earlier run of ``config`` left it: its config and checkpoints."""
-    run = tmp_path / "r"
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.yaml").write_text(yaml.safe_dump(load_config(config).to_dict()))
-    for step in steps:
-        d = run / f"checkpoint_{step:08d}"
-        for rank in range(2):
-            files = {ckpt.rank_file(rank): {"data": {"epoch": 0, "batches": step}}}
-            if rank == 0:
-                files[ckpt.STATE] = {"model": {}}
-            ckpt.write_files(d, rank, files, 2)
-    return run
-
-
 def test_a_rerun_that_changes_the_trained_state_is_refused_naming_every_key(tmp_path, no_ray):
-    run = _started(tmp_path, _config(tmp_path))
-    changed = _config(tmp_path, optim={"name": "sgd"}, data={"batch_size": 32}, loop={"max_steps": 12})
+    run = started_run(tmp_path, spiral_config(tmp_path))
+    changed = spiral_config(tmp_path, optim={"name": "sgd"}, data={"batch_size": 32}, loop={"max_steps": 12})
     with pytest.raises(ConfigError) as info:
         fit(changed, task=SpiralTask())
     message = str(info.value)
@@ -69,7 +44,7 @@ def test_a_rerun_that_changes_the_trained_state_is_refused_naming_every_key(tmp_
     assert "run.allow_config_change=true" in message and "loop.max_steps" not in message
     assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["name"] == "adamw"  # untouched
 
-    allowed = _config(tmp_path, optim={"name": "sgd"}, run={**changed["run"], "allow_config_change": True})
+    allowed = spiral_config(tmp_path, optim={"name": "sgd"}, run={**changed["run"], "allow_config_change": True})
     with pytest.raises(RayWouldStart):
         fit(allowed, task=SpiralTask())
     record = json.loads((run / "config_changes.jsonl").read_text().splitlines()[-1])
@@ -79,8 +54,8 @@ def test_a_rerun_that_changes_the_trained_state_is_refused_naming_every_key(tmp_
 
 
 def test_a_rerun_may_change_scaling_logging_run_and_length_and_says_so(tmp_path, no_ray, capsys):
-    run = _started(tmp_path, _config(tmp_path))
-    longer = _config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}, logging={"every_steps": 7})
+    run = started_run(tmp_path, spiral_config(tmp_path))
+    longer = spiral_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}, logging={"every_steps": 7})
     with pytest.raises(RayWouldStart):
         fit(longer, task=SpiralTask())
     assert (
@@ -108,7 +83,7 @@ def test_a_hashed_run_name_ignores_allow_config_change_and_scaling_and_keeps_the
 
 
 def test_a_second_driver_on_the_same_run_directory_is_refused(tmp_path, no_ray):
-    config = _config(tmp_path)
+    config = spiral_config(tmp_path)
     with RunLock(str(tmp_path / "r")):
         holder = json.loads((tmp_path / "r" / "driver.lock").read_text())
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
@@ -169,9 +144,9 @@ def test_a_held_lock_keeps_its_heartbeat(tmp_path):
 
 
 def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_path, no_ray, capsys):
-    config = _config(tmp_path)
+    config = spiral_config(tmp_path)
     final = 16  # 2048 rows / 2 workers / 64 per batch, one epoch
-    run = _started(tmp_path, config, steps=(8, final))
+    run = started_run(tmp_path, config, steps=(8, final))
     summary = {"run_dir": str(run), "wall_time_s": 12.5, "checkpoint": str(run / "checkpoint_00000016")}
     summary["metrics"] = {"step": final, "done": 1.0, "eval_accuracy": 0.75}
     (run / "summary.json").write_text(json.dumps(summary))
@@ -184,11 +159,11 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
     assert "done=" not in out and "To train anew, give it another run.name; to train it further, raise loop.max_steps" in out
     assert sorted(p.name for p in run.iterdir()) == before  # nothing written
     # The same run at another scale (local mode plans 32 steps for the epoch) is finished too.
-    local = fit(_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())
+    local = fit(spiral_config(tmp_path, scaling={"num_workers": 0}), task=SpiralTask())
     assert local.metrics == summary["metrics"] and sorted(p.name for p in run.iterdir()) == before
 
     with pytest.raises(RayWouldStart):  # a longer run of it trains on, and is not finished until it ends
-        fit(_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())
+        fit(spiral_config(tmp_path, loop={"epochs": 2}), task=SpiralTask())
     assert not (run / "summary.json").exists()
     (run / "summary.json").write_text(json.dumps(summary))
     state = run / "checkpoint_00000016" / ckpt.STATE
@@ -199,7 +174,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_returns_its_summary(tmp_pat
 
 def _finished_run(tmp_path: Path, config: dict, final: int = 16) -> Path:
     """A run directory as a run of ``config`` that finished at step ``final`` left it."""
-    run = _started(tmp_path, config, steps=(8, final))
+    run = started_run(tmp_path, config, steps=(8, final))
     summary = {"run_dir": str(run), "wall_time_s": 1.0, "checkpoint": str(run / f"checkpoint_{final:08d}")}
     summary["metrics"] = {"step": final, "done": 1.0}
     (run / "summary.json").write_text(json.dumps(summary))
@@ -207,16 +182,16 @@ def _finished_run(tmp_path: Path, config: dict, final: int = 16) -> Path:
 
 
 def test_a_finished_run_made_longer_then_interrupted_trains_on_when_rerun_at_another_scale(tmp_path, no_ray, capsys):
-    config = _config(tmp_path)
+    config = spiral_config(tmp_path)
     run = _finished_run(tmp_path, config)
-    longer = _config(tmp_path, loop={"epochs": 3})
+    longer = spiral_config(tmp_path, loop={"epochs": 3})
     with pytest.raises(RayWouldStart):  # the longer run, interrupted before its first new checkpoint
         fit(longer, task=SpiralTask())
     assert yaml.safe_load((run / "config.yaml").read_text())["loop"]["epochs"] == 3
     capsys.readouterr()
     # Rerun with only its scale changed: its config says 3 epochs, and the run has trained one.
     with pytest.raises(RayWouldStart):
-        fit(_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}), task=SpiralTask())
+        fit(spiral_config(tmp_path, loop={"epochs": 3}, scaling={"num_workers": 1}), task=SpiralTask())
     assert "already finished" not in capsys.readouterr().out
 
 
@@ -226,12 +201,12 @@ def test_a_file_uri_storage_path_is_the_local_directory_it_names(tmp_path, no_ra
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    config = _config(tmp_path, run={"storage_path": f"file://{tmp_path}/store"})
+    config = spiral_config(tmp_path, run={"storage_path": f"file://{tmp_path}/store"})
     with pytest.raises(RayWouldStart):
         fit(config, task=SpiralTask())
     assert (tmp_path / "store" / "r" / "config.yaml").exists() and not list(cwd.iterdir())
     assert storage.join("file://localhost/a/b", "c") == "/a/b/c" and storage.join("file:///a%20b") == "/a b"
-    elsewhere = _config(tmp_path, run={"storage_path": "file://host/a"})
+    elsewhere = spiral_config(tmp_path, run={"storage_path": "file://host/a"})
     with pytest.raises(ConfigError, match="run.storage_path: .*file://host/a.* not on host 'host'"):
         fit(elsewhere, task=SpiralTask())  # another host's file system is not this one's
 

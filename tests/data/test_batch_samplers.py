@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,15 +19,11 @@ from raytrain_loops.driver.preflight import DataError, planned_steps, prepare
 from raytrain_loops.engine import Engine
 from raytrain_loops.engine.length import epochs_in_run, total_steps
 from raytrain_loops.engine.loop import Loop, LoopSettings, Position
-from raytrain_loops.tasks import MapSplit, Task
+from raytrain_loops.tasks import MapSplit
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.grouped import GROUPS, SIZES, GroupedTask, Rows
 from tests.support.runfiles import records
-
-# 7 groups of uneven sizes (aspect-ratio bins, say): 3 + 5 + 9 + 4 + 11 + 6 + 3 = 41 rows.
-SIZES = [3, 5, 9, 4, 11, 6, 3]
-GROUPS = [g for g, n in enumerate(SIZES) for _ in range(n)]
-np.random.default_rng(0).shuffle(GROUPS)  # rows of a group are not adjacent
 
 
 def _epoch(epoch: int, world: int, batch_size: int = 3, seed: int = 7) -> list[list[list[int]]]:
@@ -80,30 +75,6 @@ def test_a_grouping_that_cannot_batch_is_refused(groups, batch_size, world, frag
     with pytest.raises(ValueError) as info:
         GroupedBatchSampler(groups, batch_size, 0, world, 0)
     assert fragment in str(info.value)
-
-
-class Rows(torch.utils.data.Dataset):
-    """Regression rows with a little random augmentation, and each row's id."""
-
-    def __init__(self, n: int):
-        self.x, self.y = fakes.regression_data(n=n, seed=3)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.05 * torch.randn(self.x.shape[1]), self.y[i], i
-
-
-class GroupedTask(Task):
-    """A task whose train split is grouped by ``groups`` (one id per row)."""
-
-    def __init__(self, groups, rows: int | None = None):
-        self.groups, self.rows = groups, len(groups) if rows is None else rows
-
-    def splits(self, data_dir):
-        sampler = functools.partial(GroupedBatchSampler, self.groups)
-        return {"train": MapSplit(Rows(self.rows), batch_sampler=sampler), "eval": MapSplit(Rows(5))}
 
 
 def test_the_run_length_comes_from_the_batch_sampler_on_the_driver_and_the_workers(tmp_path):

@@ -29,6 +29,7 @@ from raytrain_loops.engine.length import accum_steps, steps_in_epoch
 from raytrain_loops.engine.loop import Position
 from raytrain_loops.runtime.batches import Batches, preprocessed_here
 from raytrain_loops.tasks import MapSplit, ParquetSplit, Task
+from tests.support.checkpoints import tiny_engine
 
 ROWS, BATCH, EPOCH = 10_240, 32, 1
 
@@ -362,9 +363,7 @@ def test_the_preprocessing_tasks_read_a_recut_part_as_the_process_does(ray_sessi
 def _checkpoint(run: Path, step: int, group: Group, position: Position, epoch_of_rank1: int | None = None) -> None:
     """A checkpoint as ``group``'s workers write it (the reporter's own files, each worker's data
     record from its source), optionally with worker 1's epoch tampered with."""
-    from tests.checkpoint.test_restore_fallback import _engine
-
-    engine = _engine()
+    engine = tiny_engine()
     engine.step = step
     world = len(group.sources)
     for rank, source in enumerate(group.sources):
@@ -387,15 +386,13 @@ class _Reporter(CheckpointReporter):
 def test_the_reporter_records_every_workers_position_and_a_group_of_another_size_resumes_from_them(
     split, tmp_path, capsys
 ):
-    from tests.checkpoint.test_restore_fallback import _engine
-
     run = tmp_path / "run"
     group = Group.of(split, 2, _config(2))
     trained, position = group.train(Position(EPOCH, 0), 60)
     _checkpoint(run, 60, group, position)
     _checkpoint(run, 61, group, position, epoch_of_rank1=EPOCH + 1)  # records that disagree: unusable
     one = Group.of(split, 1, _config(1))
-    reporter = _Reporter(_engine(seed=3), 0, 1, str(run))
+    reporter = _Reporter(tiny_engine(seed=3), 0, 1, str(run))
     reporter.data = one.sources[0]
     at = reporter.restore_from(candidates(str(run), None))
     assert reporter.engine.step == 60 and reporter.loaded["world_size"] == 2

@@ -25,6 +25,7 @@ from raytrain_loops.runtime.wiring import micro_batches
 from raytrain_loops.tasks import MapSplit
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.grouped import GROUPS, GroupedTask
 from tests.support.runfiles import records
 
 BATCH = 8  # rows per batch (data.batch_size); two batches per update (accum.steps=2)
@@ -172,7 +173,7 @@ def test_under_fsdp_an_oom_restarts_the_group_which_starts_from_the_halved_micro
 
 
 def _ddp_breaks(rank: int, world: int, run_dir: str) -> None:
-    from tests.engine.test_step_across_workers import _OOMInBackward
+    from tests.support.oom import OOMInBackward
 
     engine = _engine(["accum.micro_batch=auto", "loss.reduction=sum"])
     micro_batches(engine, run_dir, rank, Sender(None))
@@ -180,7 +181,7 @@ def _ddp_breaks(rank: int, world: int, run_dir: str) -> None:
     def loss_fn(model, batch, ctx):
         out = fakes.sum_loss(model, batch, ctx)
         if rank == 1 and ctx.step == 2 and ctx.micro_index == 1:  # the synchronising micro-batch
-            out.loss = _OOMInBackward.apply(out.loss)
+            out.loss = OOMInBackward.apply(out.loss)
         return out
 
     engine.loss_fn = loss_fn
@@ -339,7 +340,6 @@ def test_a_local_run_says_it_in_one_line_checkpoints_the_size_and_resumes_from_i
 
 def test_a_task_batch_sampler_is_refused_before_ray_starts(tmp_path):
     from raytrain_loops.driver.preflight import prepare
-    from tests.data.test_batch_samplers import GROUPS, GroupedTask
 
     base = [
         "task.name=grouped",

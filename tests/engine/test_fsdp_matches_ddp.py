@@ -17,7 +17,9 @@ from raytrain_loops.engine import Engine
 from raytrain_loops.engine.distributed.sharding import shard
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.plans import trained_rows
 from tests.support.recording import restored
+from tests.support.run_dirs import RayWouldStart, spiral_config, started_run
 from tests.support.runfiles import records
 
 STEPS = 4
@@ -272,7 +274,7 @@ def _one_sided_damage(rank: int, world: int, run: str, marker: str):
     from pathlib import Path
 
     from raytrain_loops.checkpoint import files as ckpt
-    from tests.checkpoint.test_restore_fallback import rewritten
+    from tests.support.checkpoints import rewritten
     from tests.support.pickles import Exploit
 
     engine = _engine("fsdp", [])
@@ -427,7 +429,6 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     from raytrain_loops.data.parquet import index_split
     from raytrain_loops.recipes import resolve
     from raytrain_loops.tasks.lm import LMTask
-    from tests.recipes.test_lm_recipe import _trained_rows
 
     params = dict(dim=32, layers=2, heads=2, max_len=128, max_tokens=1024, val_percent=20.0)
     params["source"] = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
@@ -463,7 +464,7 @@ def test_an_lm_run_with_fsdp_on_ray_checkpoints_shards_resumes_locally_and_expor
     assert len({r["sample_size"] for r in logged}) > 1  # variable-size batches
     splits["train"].index = index_split(splits["train"].path, splits["train"].columns)
     config = load_config(resolve("lm"), overrides)
-    trained = _trained_rows(splits["train"], config.data, config.loop.seed)
+    trained = trained_rows(splits["train"], config.data, config.loop.seed)
     assert sum(r["sample_size"] for r in logged) == sum(len(train_rows[i]) for i in trained)
     assert m["sample_size_per_s"] > 0
     # The unigram baseline is scored on exactly the validation bytes the model was scored on: every
@@ -619,20 +620,19 @@ def test_a_run_started_before_compile_and_checkpointing_existed_reruns_with_them
     from examples.custom_task import SpiralTask
     from raytrain_loops import fit
     from raytrain_loops.driver import fit as fit_module
-    from tests.checkpoint.test_run_dir_hold import RayWouldStart, _config, _started
 
     def stop(*args, **kwargs):
         raise RayWouldStart
 
     monkeypatch.setattr(fit_module, "ensure_ray", stop)
-    run = _started(tmp_path, _config(tmp_path))
+    run = started_run(tmp_path, spiral_config(tmp_path))
     old = yaml.safe_load((run / "config.yaml").read_text())
     for key in ("compile", "checkpointing"):  # how compute-only settings are absent from an older run's config
         del old[key]
     (run / "config.yaml").write_text(yaml.safe_dump(old))
     # They change how blocks run, not the state a checkpoint holds: not refused.
     with pytest.raises(RayWouldStart):
-        fit(_config(tmp_path, compile={"mode": "max-autotune"}, scaling={"strategy": "fsdp"}), task=SpiralTask())
+        fit(spiral_config(tmp_path, compile={"mode": "max-autotune"}, scaling={"strategy": "fsdp"}), task=SpiralTask())
 
 
 def test_compile_or_checkpointing_on_a_task_without_blocks_is_refused_before_ray_starts(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_loops.engine import Engine
 from tests.support import fakes
 from tests.support.gloo import run_gloo
+from tests.support.oom import OOMInBackward
 
 # A 24-sample global batch cut unevenly: (workers x micro-batches) -> sizes per worker.
 UNEVEN = {
@@ -129,18 +130,6 @@ def test_nonfinite_on_one_rank_stop_raises_naming_the_module_on_both():
         assert "module 'encoder'" in o.message and "worker 1" in o.message and "step 2" in o.message
 
 
-class _OOMInBackward(torch.autograd.Function):
-    """Identity forward; its backward runs out of memory (before any parameter's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
-
-
 def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], k: int, policy: str = "skip"):
     model = DDP(fakes.make_model())
     cfg = fakes.config("oom.max_consecutive=2", f"oom.policy={policy}")
@@ -155,7 +144,7 @@ def _oom_on_rank0(rank: int, world: int, when: str, oom_steps: tuple[int, ...], 
             fired.add(call)
             if when == "in_backward":
                 out = fakes.mean_loss(m, batch, ctx)
-                out.loss = _OOMInBackward.apply(out.loss)
+                out.loss = OOMInBackward.apply(out.loss)
                 return out
             if when == "after_forward":
                 m(batch[0])

@@ -15,8 +15,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_loops.config import load_config
-from raytrain_loops.config.run import DataConfig
-from raytrain_loops.data.parquet import train_plan
 from raytrain_loops.engine import Engine
 from raytrain_loops.errors import GradSyncError
 from raytrain_loops.recipes import resolve
@@ -172,19 +170,6 @@ def test_workers_holding_different_gradients_raise_naming_them():
         assert isinstance(message, str), "grad_sync.check=true must raise GradSyncError"
         assert "gradients differ between workers after DDP synchronisation at step 0" in message
         assert "worker 0: " in message and "worker 1: " in message and "worker(s) 0, 1 differ" in message
-
-
-def _trained_rows(split, data: DataConfig, seed: int, workers: int = 2) -> list[int]:
-    """The row numbers (storage order) the workers train on in epoch 0: their shares of the
-    epoch's plan (equal shares, the remainder left out). The recipe's count of every token it
-    trains on is checked in the FSDP run on Ray (tests/engine/test_fsdp_matches_ddp.py), a Ray run fewer."""
-    rows = []
-    for rank in range(workers):
-        plan = train_plan(split.index, seed, 0, workers, rank, data.shuffle_chunk_rows, data.shuffle_buffer)
-        offsets = split.index.group_offsets()
-        for f, g, start, stop in plan.pieces.tolist():
-            rows += range(offsets[(f, g)] + start, offsets[(f, g)] + stop)
-    return rows
 
 
 def test_the_recipe_decays_every_parameter_as_fairseqs_one_group():
