@@ -132,7 +132,7 @@ class Execution:
         if executor is not None:
             with contextlib.suppress(Exception):  # already shut down, or a Ray Data that shuts down otherwise
                 executor.shutdown(force=True)
-            if not self._read_all.is_set():  # tasks were killed: their processes gone before this returns
+            if not self._read_all.is_set():  # tasks were killed: time for their processes to end
                 time.sleep(KILL_S)
         # The thread ends once the executor is down; one blocked in a wait that the shutdown does
         # not wake (no block ever came) is left behind (a daemon): this returns within a second.
