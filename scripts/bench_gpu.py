@@ -351,7 +351,8 @@ def device_time(averages, wall_s: float, top: int = 6) -> dict:
     kernels = [k for k in kernels if k[1] > 0]
     by_kind: dict[str, float] = {}
     for name, seconds, _ in kernels:
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + seconds
+        kind = kind_of(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     heaviest = sorted(kernels, key=lambda k: -k[1])[:top]
     return {
         "busy": sum(k[1] for k in kernels) / wall_s,

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raytrain_loops.config import ConfigError
@@ -365,8 +364,7 @@ class LMTask(Task):
 
     def evaluate(self, model: nn.Module, batch) -> EvalOutput:
         inputs, targets, ntokens, *documents = batch
-        logits = model(inputs, *documents).float()
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        nll = model(inputs, *documents, targets=targets)  # the criterion's loss, in fp32
         out = {self.unit: (nll / (ntokens * LN2), ntokens), "loss": (nll / ntokens, ntokens)}
         real = targets != IGNORE
         if self.unigram_bits is not None:
