@@ -195,7 +195,7 @@ def _dataset(work: _Work, units: list[tuple[int, int, int]], p: PreprocessConfig
     share = max(1, int(cpus_share // max(p.num_cpus, 1e-9)))  # tasks at once on this worker's CPUs
     actors: tuple[int, int] | None = None
     if p.actors:
-        actors = (p.actors[0], p.actors[1])  # the config's pair (a list when read from YAML)
+        actors = (p.actors[0], p.actors[1])  # the config keeps the pair as a list
     elif has_actor_setup(work.task):
         actors = (1, share)
     at_once = actors[1] if actors else p.concurrency or share
