@@ -3,9 +3,12 @@
 
 ``step``: the recipe wired as local mode wires it (its Parquet batches, its callbacks, its
 engine), ``--steps`` updates timed after ``--warmup``, and each update cut into its parts:
-waiting for the batch (collate apart), the engine's forward and backward, its all-reduce with
+the loop's wait for its batch, the engine's forward and backward, its all-reduce with
 the decision's host read, its optimizer update (clipping included), and the loop's own work
-(the update's time less the engine's and the wait: meters, callbacks, reports). Beside it, in
+(the update's time less the engine's and the wait: meters, callbacks, reports); ``collate`` runs on
+the collate-ahead thread (``data.prefetch_batches``, 2), outside the update, and is given apart.
+The same run again with ``data.prefetch_batches=0`` (read and collated in the loop's thread) gives
+the loop's wait without the thread, the baseline of the wait. Beside them, in
 the same run, the same update as a bare loop (the same Parquet rows read and collated, copied to
 the device, forward through the blocks, the head and its loss, backward, one all-reduce and its
 host read, clipping, AdamW), its parts timed alike. On CUDA every part ends with a
@@ -24,6 +27,7 @@ issue's 35% MFU and the project's 45% (FLOPs a token counted on the ``meta`` dev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -53,6 +57,7 @@ CPU_SIZE = ["task.params.dim=128", "task.params.layers=2", "task.params.heads=4"
 CPU_SIZE += ["task.params.max_tokens=2048"]
 H100_BF16_TFLOPS = 989.4
 OWN = "loop's own work"
+COLLATE = "collate (its own thread)"  # not a part of the loop's update
 
 
 def sync(device: torch.device) -> None:
@@ -66,7 +71,10 @@ class Parts:
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.on = device, defaultdict(float), False
 
-    def timed(self, name: str, fn):
+    def timed(self, name: str, fn, synced: bool = True):
+        """``fn`` timed into ``name``; ``synced``: the device's queued work in it (not for a part
+        that runs on another thread, which would wait for the step's kernels)."""
+
         def run(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
@@ -74,7 +82,8 @@ class Parts:
             try:
                 return fn(*args, **kwargs)
             finally:
-                sync(self.device)
+                if synced:
+                    sync(self.device)
                 self.seconds[name] += time.perf_counter() - start
 
         return run
@@ -97,7 +106,7 @@ class Clock(Callback):
             self.parts.on = False  # the run's last evaluation and checkpoint are not the update's
 
 
-def config_for(args, tmp: Path, steps: int):
+def config_for(args, tmp: Path, steps: int, *more: str):
     size = CPU_SIZE if args.size == "cpu" else []
     tokens = (steps + 8) * (2048 if args.size == "cpu" else 16384)
     overrides = [
@@ -111,16 +120,17 @@ def config_for(args, tmp: Path, steps: int):
         f"data.dir={tmp / 'data'}",
         f"run.storage_path={tmp / 'runs'}",
         "checkpoint.every_steps=1000000",  # the run's last alone, after the timed updates
+        *more,
     ]
     return load_config(resolve("lm_gpt"), overrides)
 
 
-def loop_run(args, tmp: Path, run: int) -> dict:
+def loop_run(args, tmp: Path, run: int, *overrides: str) -> dict:
     """One run of the recipe through the loop; the update's parts in ms."""
     device = torch.device(args.device)
-    config = config_for(args, tmp, args.warmup + args.steps)
+    config = config_for(args, tmp, args.warmup + args.steps, *overrides)
     task, splits, rows = prepare(config, None)
-    run_dir = tmp / "runs" / f"loop{run}"
+    run_dir = tmp / "runs" / f"loop{run}{'-'.join(overrides)}"
     run_dir.mkdir(parents=True)
     sender = local.DisplaySender(local.Display())
     wired = wire(
@@ -134,7 +144,7 @@ def loop_run(args, tmp: Path, run: int) -> dict:
         reporter=functools.partial(local.LocalReporter, run_dir=str(run_dir), config=config, sender=sender),
     )
     parts, engine = Parts(device), wired.engine
-    task.collate = parts.timed("collate", task.collate)
+    task.collate = parts.timed("collate", task.collate, synced=False)
     engine._forward_backward = parts.timed("forward and backward", engine._forward_backward)
     engine._reduce = parts.timed("all-reduce and host read", engine._reduce)
     engine._apply = parts.timed("clip and optimizer", engine._apply)
@@ -147,8 +157,7 @@ def loop_run(args, tmp: Path, run: int) -> dict:
     ms = {k: v / n * 1e3 for k, v in parts.seconds.items()}
     out = {
         "update": total / n * 1e3,
-        "wait (collate apart)": clock.waits / n * 1e3 - ms["collate"],
-        "collate": ms["collate"],
+        "wait for the batch": clock.waits / n * 1e3,
         "forward and backward": ms["forward and backward"],
         "all-reduce and host read": ms["all-reduce and host read"],
         "clip and optimizer": ms["clip and optimizer"],
@@ -158,6 +167,7 @@ def loop_run(args, tmp: Path, run: int) -> dict:
     )
     out["engine's other work"] = engine_rest
     out[OWN] = out["update"] - ms["engine"] - clock.waits / n * 1e3
+    out[COLLATE if config.data.prefetch_batches else "collate (in the wait)"] = ms["collate"]
     return out
 
 
@@ -232,12 +242,18 @@ def step_part(args, tmp: Path) -> dict:
     runs = []
     for r in range(args.runs):
         loop = loop_run(args, tmp / f"run{r}", r)
+        inline = loop_run(args, tmp / f"run{r}", r, "data.prefetch_batches=0")
         bare = bare_run(args, tmp / f"run{r}")
         bare_step = sum(bare.values())
-        runs.append({"loop": loop, "bare": bare, "bare_step": bare_step, "ratio": loop[OWN] / bare_step})
+        runs.append(
+            {"loop": loop, "inline": inline, "bare": bare, "bare_step": bare_step, "ratio": loop[OWN] / bare_step}
+        )
         print(
             f"run {r + 1}: loop update {loop['update']:.2f} ms, bare step {bare_step:.2f} ms, "
-            f"loop's own work {loop[OWN]:.3f} ms = {runs[-1]['ratio']:.2%} of the bare step",
+            f"loop's own work {loop[OWN]:.3f} ms = {runs[-1]['ratio']:.2%} of the bare step; the update with prefetch_batches=0 "
+            f"{inline['update']:.2f} ms; the loop's wait "
+            f"for its batch {loop['wait for the batch']:.3f} ms collated ahead, "
+            f"{inline['wait for the batch']:.3f} ms in its thread (prefetch_batches=0)",
             flush=True,
         )
     mid = sorted(runs, key=lambda x: x["ratio"])[len(runs) // 2]
@@ -246,9 +262,17 @@ def step_part(args, tmp: Path) -> dict:
         whole = table["update"] if "update" in table else mid["bare_step"]
         print(f"  {name}: {whole:.2f} ms")
         for k, v in table.items():
-            if k != "update":
+            if k == COLLATE:
+                print(f"    {k:<28} {v:9.3f} ms (outside the update)")
+            elif k != "update":
                 print(f"    {k:<28} {v:9.3f} ms {v / whole:7.1%}")
     ratios = [x["ratio"] for x in runs]
+    waits = {k: [x[k]["wait for the batch"] for x in runs] for k in ("loop", "inline")}
+    print(
+        f"the loop's wait for its batch: collated ahead median {statistics.median(waits['loop']):.3f} ms "
+        f"(runs {', '.join(f'{x:.3f}' for x in waits['loop'])}), in its own thread median "
+        f"{statistics.median(waits['inline']):.3f} ms (runs {', '.join(f'{x:.3f}' for x in waits['inline'])})"
+    )
     print(
         f"loop's own work / bare step: median {statistics.median(ratios):.2%} "
         f"(runs {', '.join(f'{x:.2%}' for x in ratios)}; target at most 2%)"
@@ -282,22 +306,32 @@ def data_part(args, tmp: Path) -> dict:
         [f"task.params.tokens={args.data_tokens}", f"data.dir={tmp / 'data'}", "scaling.num_workers=1"],
     )
     task, splits, rows = prepare(config, None)
-    source = Batches(task, config, splits, rows, 0, 1, "cpu", preprocessed_here)
-    rates, walls = [], []  # tokens per second of the process's CPU time (its one core's), and of wall time
+    inline = dataclasses.replace(config, data=dataclasses.replace(config.data, prefetch_batches=0))
+    # The worker's path (collated ahead on a thread) and, alternating with it, all in this thread.
+    sources = [Batches(task, c, splits, rows, 0, 1, "cpu", preprocessed_here) for c in (config, inline)]
+    rates, walls, baseline = [], [], []  # tokens per second of the process's CPU time (its one core's), and of wall time
     for epoch in range(args.data_epochs):
-        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
-        for batch in source.batches("train", epoch):
-            tokens += batch[2]
-        rates.append(tokens / (time.process_time() - cpu))
-        walls.append(tokens / (time.perf_counter() - start))
+        for source, out in zip(sources, (rates, baseline), strict=True):
+            start, cpu, tokens = time.perf_counter(), time.process_time(), 0
+            for batch in source.batches("train", epoch):
+                tokens += batch[2]
+            out.append(tokens / (time.process_time() - cpu))
+            if out is rates:
+                walls.append(tokens / (time.perf_counter() - start))
     per_token = flops_per_token(task, batch)
     need = {mfu: mfu * H100_BF16_TFLOPS * 1e12 / per_token for mfu in (0.35, 0.45)}
     steady = statistics.median(rates[1:]) if len(rates) > 1 else rates[0]
+    steady_inline = statistics.median(baseline[1:]) if len(baseline) > 1 else baseline[0]
     print(
         f"\nthe lm path, read plus collate on one core ({args.data_tokens:,} tokens, vocab {task.vocab}, "
         f"{task.max_tokens // task.max_len} x {task.max_len} a batch), tokens per CPU-second: first pass "
         f"{rates[0]:,.0f}, steady {steady:,.0f} (passes {', '.join(f'{r:,.0f}' for r in rates[1:])}); "
         f"per wall second, the core shared with whatever else runs: {', '.join(f'{r:,.0f}' for r in walls)}"
+    )
+    print(
+        f"the same passes all in one thread (data.prefetch_batches=0), alternating with those: steady "
+        f"{steady_inline:,.0f} (passes {', '.join(f'{r:,.0f}' for r in baseline)}): the threads' cost "
+        f"{steady_inline / steady:.2f}x the CPU time"
     )
     print(
         f"one H100 ({H100_BF16_TFLOPS} TFLOP/s dense bf16) at {per_token / 1e6:.0f} MFLOP a token needs "
@@ -307,6 +341,8 @@ def data_part(args, tmp: Path) -> dict:
     return {
         "first": rates[0],
         "steady": steady,
+        "steady_one_thread": steady_inline,
+        "passes_one_thread": baseline,
         "passes": rates,
         "wall": walls,
         "flops_per_token": per_token,

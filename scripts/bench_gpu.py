@@ -27,7 +27,8 @@ fed as a worker feeds it (the Parquet batches read and collated, pinned, the nex
 GPU beside the step) and the share of the time spent waiting for them; ``--packing`` overrides the
 recipe's (``fixed``), ``--attention flex`` keeps each packed sequence to itself with FlexAttention's
 block mask instead of the recipe's boolean mask (``sdpa``; CUDA only; the MFU's FLOPs stay those of
-attention over whole rows), ``--scopes blocks model`` compiles block by block, the whole model, or
+attention over whole rows), ``--prefetch 0 2`` sets ``data.prefetch_batches`` per row (column
+``ahead``; 0: the batches read, collated and pinned on the loop's thread), ``--scopes blocks model`` compiles block by block, the whole model, or
 each in a row of its own. ``--profile`` adds, under each row, where the device's time went over 3
 more steps (torch's profiler): its kernels' time against the wall time (the rest is the device
 waiting for the host), that time by kind of kernel (matrix products, attention, the loss, the
@@ -37,7 +38,7 @@ kernels.
 width and vocabulary (a check of the code, the tied embedding sharded included; no MFU).
 
     python scripts/bench_gpu.py --strategies ddp fsdp [--compiles off on] [--scopes blocks model]
-        [--attention sdpa flex] [--profile] [--steps 20]
+        [--attention sdpa flex] [--prefetch 0 2] [--profile] [--steps 20]
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ def _strategy_worker(rank: int, world: int, port: int, spec: dict, out: str) -> 
             f"compile.enabled={spec['compile']}",
             f"compile.scope={spec['scope']}",
             f"data.dir={spec['data_dir']}",
+            f"data.prefetch_batches={spec['prefetch']}",
             *(f"task.params.{k}={v}" for k, v in spec["params"].items()),
         ],
     )
@@ -399,17 +401,18 @@ def strategy_table(args) -> None:
     name = device_line(torch.device("cuda" if cuda else "cpu"))
     print(f"{world} x {name}, peak {peak:g} TFLOP/s dense bf16 each, torch {torch.__version__}, model {size}")
     print(
-        f"{'strategy':>8} {'compile':>7} {'scope':>6} {'packing':>8} {'attn':>5} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
+        f"{'strategy':>8} {'compile':>7} {'scope':>6} {'packing':>8} {'attn':>5} {'ahead':>5} {'params':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s':>10} "
         f"{'MFU':>6} {'wait':>6} {'mem GiB':>7}"
     )
     rows = [
-        (strategy, compiled, scope if compiled == "on" else "-", attention)
+        (strategy, compiled, scope if compiled == "on" else "-", attention, ahead)
         for strategy in args.strategies
         for compiled in args.compiles
         for scope in (args.scopes if compiled == "on" else ["-"])
         for attention in attentions
+        for ahead in args.prefetch
     ]
-    for strategy, compiled, scope, attention in rows:
+    for strategy, compiled, scope, attention, ahead in rows:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -422,6 +425,7 @@ def strategy_table(args) -> None:
             compile=compiled == "on",
             scope=scope if compiled == "on" else "blocks",
             profile=args.profile,
+            prefetch=ahead,
             data_dir=str(data_dir),
             batches=args.batches,
             warmup=args.warmup,
@@ -431,7 +435,7 @@ def strategy_table(args) -> None:
         r = json.loads(out.read_text())
         mfu = r["tok_s"] * flops_per_token / (peak * 1e12 * world)
         print(
-            f"{strategy:>8} {compiled:>7} {scope:>6} {params['packing']:>8} {attention:>5} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
+            f"{strategy:>8} {compiled:>7} {scope:>6} {params['packing']:>8} {attention:>5} {ahead:>5} {r['params_m']:>6.1f}M {r['tokens']:>11.0f} "
             f"{r['step_ms']:>8.1f} {r['tok_s']:>10.0f} {mfu:>6.1%} {r['wait_share']:>6.1%} {r['mem_gib']:>7.1f}",
             flush=True,
         )
@@ -471,6 +475,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--attention", nargs="+", choices=["sdpa", "flex"], help="for --strategies (default: the recipe's, sdpa)"
+    )
+    ap.add_argument(
+        "--prefetch",
+        nargs="+",
+        type=int,
+        default=[2],
+        help="data.prefetch_batches, for --strategies (0: read and collated on the loop's thread)",
     )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo check of --strategies")
     args = ap.parse_args()

@@ -85,7 +85,9 @@ class DataConfig:
     )
     loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
     prefetch_batches: int = opt(
-        2, "Parquet: batches prepared ahead (0: none; without preprocess, one window read ahead on a thread)."
+        2,
+        "Parquet: batches prepared ahead on a thread (without preprocess: read, cut, collated and pinned, "
+        "one window read ahead; 0: none, all in the loop's thread).",
     )
     preprocess: PreprocessConfig = opt(PreprocessConfig(), "Where Task.preprocess runs.")
     materialize: Literal["auto", "always", "never"] = opt(

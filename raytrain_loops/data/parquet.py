@@ -361,10 +361,10 @@ def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: boo
         close(fetched)  # this stream closed (its epoch ended, whatever the reason): so is what it reads
 
 
-def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
-    """``items`` produced on a background thread, at most ``depth`` ahead (0: in the caller's
-    thread). pyarrow reads and decodes without holding the GIL, so the step runs meanwhile. An
-    error in the thread is raised in the caller."""
+def prefetched(items: Iterable[Any], depth: int, name: str = "parquet-prefetch") -> Iterator[Any]:
+    """``items`` produced on a background thread (``name``), at most ``depth`` ahead (0: in the
+    caller's thread). pyarrow reads and decodes without holding the GIL, so the step runs
+    meanwhile. An error in the thread is raised in the caller."""
     if depth <= 0:
         yield from items
         return
@@ -375,16 +375,16 @@ def prefetched(items: Iterable[Any], depth: int) -> Iterator[Any]:
     def fill() -> None:
         try:
             for item in items:
-                if stop.is_set():
-                    return
                 q.put(item)
+                if stop.is_set():  # closed while this waited for room: nothing more is made
+                    return
             q.put(done)
         except BaseException as err:  # handed to the consumer, raised there
             q.put(err)
         finally:
             close(items)  # its open files, in this thread that iterated it
 
-    thread = threading.Thread(target=fill, name="parquet-prefetch", daemon=True)
+    thread = threading.Thread(target=fill, name=name, daemon=True)
     thread.start()
     try:
         while (item := q.get()) is not done:

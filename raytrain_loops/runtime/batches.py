@@ -99,6 +99,7 @@ class Batches:
         self.accum, self.scale = config.accum, config.scaling.workers / world  # the loop's micro-batches per update
         self.preprocessing = preprocessing
         self.pin = pins(device)  # a CUDA worker's Parquet batches pinned after collate, as map-style ones are
+        self.device = torch.device(device) if device is not None else None
         self.has_eval = "eval" in splits
         self.parquet = {name: split for name, split in splits.items() if isinstance(split, ParquetSplit)}
         maps = {name: split for name, split in splits.items() if isinstance(split, MapSplit)}
@@ -124,7 +125,7 @@ class Batches:
             return self.maps.batches(split, epoch, start)
         train = split == "train"
         size = self.data.batch_size if train else self.data.eval_batch_size
-        collate = _pinning(self.task.collate) if self.pin else self.task.collate
+        collate = _pinning(self.task.collate, self.device) if self.pin else self.task.collate
         if split in self.datasets:  # the epoch from its first rows, whatever ``start`` (docs/data.md)
             batches = self.datasets[split].iter_batches(
                 batch_size=size, batch_format="numpy", drop_last=train, prefetch_batches=self.data.prefetch_batches
@@ -146,10 +147,13 @@ class Batches:
                 d = self.data
                 ahead = EpochPlans(index, self.seed, self.world, self.rank, d.shuffle_chunk_rows, d.shuffle_buffer, self.last_epoch)
             fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train, ahead)
-        else:
-            # One window read ahead on a background thread while the step runs (pyarrow releases the GIL).
-            fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
-        return sliced(fetched, size, collate, drop_last=train)
+            return sliced(fetched, size, collate, drop_last=train)
+        # Read here: one window read ahead on a thread (pyarrow releases the GIL), and the batches cut
+        # from it, collated and pinned on another, ``prefetch_batches`` ahead, so that the loop's
+        # thread only takes them while the device runs (docs/data.md, "Batches ready ahead").
+        depth = self.data.prefetch_batches
+        windows = prefetched(_read(index, plan, start_row), min(1, depth))
+        return prefetched(sliced(windows, size, collate, drop_last=train), depth, name="collate-ahead")
 
     def record(self, position: Position) -> dict[str, Any]:
         """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,
@@ -210,10 +214,17 @@ class Batches:
         return Position(at.epoch, virtual)
 
 
-def _pinning(collate: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+def _pinning(collate: Callable[[dict[str, Any]], Any], device: torch.device) -> Callable[[dict[str, Any]], Any]:
     """``collate`` whose batches are copied into page-locked memory (their copy to the device then
-    runs beside the step)."""
-    return lambda rows: pin_memory(collate(rows))
+    runs beside the step), with ``device`` the thread's current one while it pins: a thread's
+    current device is its own (device 0 unless set), and pinning on another would start a CUDA
+    context there (torch's DataLoader sets its pinning thread's device the same way)."""
+
+    def pinned(rows: dict[str, Any]) -> Any:
+        with torch.cuda.device(device):
+            return pin_memory(collate(rows))
+
+    return pinned
 
 
 def _collated(batches: Iterable[dict[str, Any]], collate: Callable[[dict[str, Any]], Any]) -> Iterator[Any]:

@@ -6,6 +6,8 @@ The lm_gpt recipe at a tiny size, wired as local mode wires it (the run's own ca
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -165,6 +167,57 @@ def test_a_cuda_worker_pins_parquet_and_map_style_batches_and_the_copy_ahead_is_
     assert not first[0].is_pinned()
     groups = [([first], 0.5), ([None, first], 0.25)]
     assert list(copied_ahead(iter(groups), torch.device("cpu"))) == groups
+
+
+def test_a_split_read_here_is_collated_ahead_on_a_thread_at_most_prefetch_batches_ahead(tmp_path):
+    """A Parquet split without ``preprocess`` is read, cut and collated (pinned on CUDA) on a
+    thread, ``data.prefetch_batches`` batches ahead of the loop, which takes the same batches in
+    the same order as when its own thread does it all (``prefetch_batches=0``); a stream closed
+    early ends that thread, and an error in ``collate`` is raised in the loop."""
+    config = load_config(resolve("lm_gpt"), [*TINY, f"data.dir={tmp_path / 'data'}"])
+    task, splits, rows = prepare(config, None)
+    collate, threads = task.collate, []
+
+    def recorded(batch):
+        threads.append(threading.current_thread().name)
+        if len(threads) == fail_at:
+            raise ValueError("a row the task cannot collate")
+        return collate(batch)
+
+    task.collate, fail_at = recorded, None
+    inline = load_config(resolve("lm_gpt"), [*TINY, f"data.dir={tmp_path / 'data'}", "data.prefetch_batches=0"])
+    here = list(Batches(task, inline, splits, rows, 0, 1, "cpu", preprocessed_here).batches("train", 0))
+    assert len(here) > 20 and set(threads) == {threading.current_thread().name}
+
+    source = Batches(task, config, splits, rows, 0, 1, "cpu", preprocessed_here)
+    threads.clear()
+    ahead = [b for b in source.batches("train", 0)]
+    assert set(threads) == {"collate-ahead"} and len(threads) == len(here)
+    for got, want in zip(ahead, here, strict=True):
+        assert all(torch.equal(got[i], want[i]) for i in (0, 1, 3)) and got[2] == want[2]
+
+    threads.clear()
+    stream = iter(source.batches("train", 0))
+    next(stream)
+    # One taken, prefetch_batches (2) queued, one collated and waiting for room: 4 calls, no more.
+    for _ in range(500):
+        if len(threads) >= 4:
+            break
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(threads) == 2 + 2
+    stream.close()
+    assert not [t for t in threading.enumerate() if t.name in ("collate-ahead", "parquet-prefetch")]
+    time.sleep(0.1)
+    assert len(threads) == 4  # nothing collated after the close
+
+    threads.clear()
+    fail_at = 3
+    with pytest.raises(ValueError, match="cannot collate"):
+        for _ in source.batches("train", 0):
+            pass
+    assert threads == ["collate-ahead"] * 3
+    assert not [t for t in threading.enumerate() if t.name in ("collate-ahead", "parquet-prefetch")]
 
 
 def test_adam_runs_fused_on_cuda_foreach_elsewhere_and_a_checkpoint_keeps_this_devices_choice():
