@@ -36,18 +36,24 @@ class SweepResult:
 
 
 class SweepFailed(RuntimeError):
-    """A sweep that ended with failed trials, raised once everything it writes is written:
+    """A sweep that ended with failed trials, or with no best trial (none ended without an error
+    and with a finite metric: all diverged), raised once everything it writes is written:
     ``failed`` maps each failed trial to its error's line and where its error file is; ``result``
-    is what the sweep wrote (``best.yaml`` from the trials that did not fail, when one did not)."""
+    is what the sweep wrote (``best.yaml`` from the trials that did not fail, when one did not);
+    ``metric``: the sweep's."""
 
-    def __init__(self, result: SweepResult, failed: dict[str, str], trials: int):
-        said = "; ".join(f"{trial}: {line}" for trial, line in failed.items())
-        after = (
-            f"best.yaml is the best of the {trials - len(failed)} others"
-            if result.best_values is not None
-            else "no trial ended without an error: no best recipe was written"
-        )
-        super().__init__(f"{len(failed)} of {trials} trials of the sweep in {result.sweep_dir} failed ({said}); {after}")
+    def __init__(self, result: SweepResult, failed: dict[str, str], trials: int, metric: str):
+        if result.best_values is not None:
+            after = f"best.yaml is the best of the {trials - len(failed)} others"
+        else:
+            after = f"no trial ended without an error and with a finite {metric}: no best recipe was written"
+        if failed:
+            said = "; ".join(f"{trial}: {line}" for trial, line in failed.items())
+            line = f"{len(failed)} of {trials} trials of the sweep in {result.sweep_dir} failed ({said}); {after}"
+        else:
+            got = ", ".join(f"{row['trial']}: {row[metric]}" for _, row in result.table.iterrows())
+            line = f"the sweep in {result.sweep_dir} ended with no best trial ({metric} {got}); {after}"
+        super().__init__(line)
         self.result, self.failed, self.trials = result, failed, trials
 
 

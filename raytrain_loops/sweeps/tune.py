@@ -378,8 +378,8 @@ def tune(
     overrides: list[str] | None = None,
 ) -> SweepResult:
     """Run the sweep over the recipe ``config``. The same sweep run again resumes where it stopped
-    (its failed trials too). A sweep whose trials failed raises :class:`SweepFailed` once its
-    results are written."""
+    (its failed trials too). A sweep whose trials failed, or whose trials all ended without a
+    finite metric (no best trial), raises :class:`SweepFailed` once its results are written."""
     if not isinstance(config, Config):
         config = load_config(config, overrides)
     elif overrides:
@@ -429,7 +429,8 @@ def tune(
 def _ended(results, sweep: SweepConfig, base: Config, user_run, sweep_dir: str, tracking) -> SweepResult:
     """What a sweep's end leaves: its trials' MLflow runs ended; then, for a sweep that was not
     interrupted, its stopped trials' run directories completed and its outputs written; its failed
-    trials, if any, raised as :class:`SweepFailed` once everything is written."""
+    trials, if any, or its want of a best trial (none ended with a finite metric), raised as
+    :class:`SweepFailed` once everything is written."""
     interrupted = unended(results)
     failed = failed_trials(results, sweep_dir)
     if tracking is not None:
@@ -438,6 +439,6 @@ def _ended(results, sweep: SweepConfig, base: Config, user_run, sweep_dir: str, 
         raise SweepInterrupted(sweep_dir, sorted(interrupted))
     complete_stopped_runs(results, sweep_dir)
     written = write_outputs(results, sweep, base, user_run, sweep_dir)
-    if failed:
-        raise SweepFailed(written, failed, len(results))
+    if failed or written.best_values is None:
+        raise SweepFailed(written, failed, len(results), sweep.metric)
     return written

@@ -150,7 +150,7 @@ def test_a_sweep_whose_trial_failed_exits_1_naming_it_and_its_error_with_no_best
     last = out.stderr.splitlines()[-1]
     assert last.startswith(f"raytrain-loops: tune: 1 of 1 trials of the sweep in {sweep_dir} failed (trial_00000: "), last
     assert "fault.plan[0] after step 1" in last and f"(its error: {error})" in last, last
-    assert last.endswith("; no trial ended without an error: no best recipe was written"), last
+    assert last.endswith("; no trial ended without an error and with a finite eval_accuracy: no best recipe was written")
     assert out.stdout.splitlines()[-1] == f"sweep directory: {sweep_dir}", out.stdout[-2000:]
     table = pd.read_csv(sweep_dir / "results.csv")
     assert list(table["trial"]) == ["trial_00000"] and list(table["error"]) == ["InjectedFault"], table
@@ -432,17 +432,19 @@ def test_a_failed_trial_is_never_the_best_and_a_sweep_of_failed_trials_writes_no
     """write_outputs over Ray Tune's own ``Result`` objects (no Ray started): the best trial is the
     best of those that ended without an error and with a finite metric, even when a failed one
     reported a better value before it failed; with none such, the table is written and no
-    best.yaml. The failed trials are named with their error and its copy."""
+    best.yaml. The failed trials are named with their error and its copy. The sweep's end raises
+    SweepFailed for failed trials, and for a sweep whose trials all diverged (no best trial)."""
     from ray.tune import Result
 
     from raytrain_loops.sweeps.results import SweepFailed, failed_trials, write_outputs
+    from raytrain_loops.sweeps.tune import _ended
 
     base = load_config(resolve("default"))
     sweep = load_sweep(_sweep(tmp_path, space={"schedules.lr.value": {"choice": [0.1, 0.2, 0.3, 0.4]}}), base)
     sweep_dir = tmp_path / "sweeps" / "s"
 
     def result(trial: str, lr: float, accuracy: float, error: Exception | None = None) -> Result:
-        metrics = {"eval_accuracy": accuracy, "step": 10, "config": {"schedules.lr.value": lr}}
+        metrics = {"eval_accuracy": accuracy, "step": 10, "done": True, "config": {"schedules.lr.value": lr}}
         frame = pd.DataFrame([{"step": 5, "eval_accuracy": accuracy / 2}, {"step": 10, "eval_accuracy": accuracy}])
         return Result(metrics=metrics, checkpoint=None, error=error, path=str(sweep_dir / trial), metrics_dataframe=frame)
 
@@ -465,7 +467,7 @@ def test_a_failed_trial_is_never_the_best_and_a_sweep_of_failed_trials_writes_no
     assert failed == {
         "trial_00000": f"RuntimeError: fault.plan[0] after step 10 (its error: {sweep_dir / 'trial_00000' / 'error.txt'})"
     }
-    said = str(SweepFailed(written, failed, len(results)))
+    said = str(SweepFailed(written, failed, len(results), "eval_accuracy"))
     assert said.startswith(f"1 of 4 trials of the sweep in {sweep_dir} failed (trial_00000: RuntimeError: ")
     assert said.endswith("; best.yaml is the best of the 3 others"), said
     sweep = load_sweep(_sweep(tmp_path, mode="min", space={"schedules.lr.value": {"choice": [0.1, 0.2]}}), base)
@@ -478,5 +480,20 @@ def test_a_failed_trial_is_never_the_best_and_a_sweep_of_failed_trials_writes_no
     assert none.best_values is None and not (sweep_dir / "best.yaml").exists()
     assert len(pd.read_csv(sweep_dir / "results.csv")) == 2
     assert "best: none: no trial ended without an error and with a finite eval_accuracy" in capsys.readouterr().out
-    said = str(SweepFailed(none, failed_trials([results[0], results[2]], str(sweep_dir)), 2))
-    assert said.endswith("; no trial ended without an error: no best recipe was written"), said
+    said = str(SweepFailed(none, failed_trials([results[0], results[2]], str(sweep_dir)), 2, "eval_accuracy"))
+    assert said.endswith("; no trial ended without an error and with a finite eval_accuracy: no best recipe was written")
+
+    # The sweep's end: failed trials, or no best trial (all diverged, none failed), raise once all is written.
+    with pytest.raises(SweepFailed) as raised:
+        _ended(results, sweep, base, base.run, str(sweep_dir), None)
+    assert list(raised.value.failed) == ["trial_00000"] and raised.value.result.best_values == {"schedules.lr.value": 0.2}
+    (sweep_dir / "best.yaml").unlink()
+    diverged = [results[2], result("trial_00004", 0.5, float("nan"))]
+    with pytest.raises(SweepFailed) as raised:
+        _ended(diverged, sweep, base, base.run, str(sweep_dir), None)
+    assert raised.value.failed == {} and not (sweep_dir / "best.yaml").exists()
+    assert str(raised.value) == (
+        f"the sweep in {sweep_dir} ended with no best trial (eval_accuracy trial_00002: nan, trial_00004: nan); "
+        "no trial ended without an error and with a finite eval_accuracy: no best recipe was written"
+    )
+    assert _ended(results[1:2], sweep, base, base.run, str(sweep_dir), None).best_values == {"schedules.lr.value": 0.2}
