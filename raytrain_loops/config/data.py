@@ -86,8 +86,8 @@ class DataConfig:
     loader_workers: int = opt(0, "DataLoader worker processes for map-style data sets.")
     prefetch_batches: int = opt(
         2,
-        "Parquet: batches prepared ahead on a thread (without preprocess: read, cut, collated and pinned, "
-        "one window read ahead; 0: none, all in the loop's thread).",
+        "Batches of a Parquet split or a Ray Dataset made ahead on a thread: cut, collated, pinned (without "
+        "preprocess, one window read ahead besides); 0: all in the loop's thread.",
     )
     preprocess: PreprocessConfig = opt(PreprocessConfig(), "Where Task.preprocess runs.")
     materialize: Literal["auto", "always", "never"] = opt(

@@ -130,7 +130,7 @@ class Batches:
             batches = self.datasets[split].iter_batches(
                 batch_size=size, batch_format="numpy", drop_last=train, prefetch_batches=self.data.prefetch_batches
             )
-            return _collated(batches, collate)
+            return self._ahead(_collated(batches, collate))
         index = self.parquet[split].index
         start_row = start * size
         if r is not None:
@@ -147,13 +147,16 @@ class Batches:
                 d = self.data
                 ahead = EpochPlans(index, self.seed, self.world, self.rank, d.shuffle_chunk_rows, d.shuffle_buffer, self.last_epoch)
             fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train, ahead)
-            return sliced(fetched, size, collate, drop_last=train)
-        # Read here: one window read ahead on a thread (pyarrow releases the GIL), and the batches cut
-        # from it, collated and pinned on another, ``prefetch_batches`` ahead, so that the loop's
-        # thread only takes them while the device runs (docs/data.md, "Batches ready ahead").
-        depth = self.data.prefetch_batches
-        windows = prefetched(_read(index, plan, start_row), min(1, depth))
-        return prefetched(sliced(windows, size, collate, drop_last=train), depth, name="collate-ahead")
+        else:  # read here, one window ahead on a thread (pyarrow releases the GIL)
+            fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
+        return self._ahead(sliced(fetched, size, collate, drop_last=train))
+
+    def _ahead(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """``batches`` made (cut, collated, pinned, and what they wait for: a window's read, a Ray
+        Data execution's next block) on a thread of their own, ``data.prefetch_batches`` ahead, so
+        that the loop's thread only takes them while the device runs (docs/data.md, "Batches ready
+        ahead"); 0: made in the loop's thread."""
+        return prefetched(batches, self.data.prefetch_batches, name="collate-ahead")
 
     def record(self, position: Position) -> dict[str, Any]:
         """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,

@@ -6,6 +6,7 @@ first rows with the step count continued (docs/data.md, "A Ray Dataset as a spli
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -75,6 +76,9 @@ class Logged(Task):
         return {"train": ds, "eval": DatasetSplit(ds, rows=ROWS)}
 
     def collate(self, batch):
+        if self.log:  # the thread that collates: the loop's own would hold up its step
+            with open(os.path.join(self.log, "..", "collated_on"), "a") as f:
+                f.write(threading.current_thread().name + "\n")
         return torch.as_tensor(batch["id"]), torch.as_tensor(batch["x"])
 
     def build_model(self):
@@ -110,7 +114,8 @@ def test_two_workers_train_disjoint_shards_of_a_ray_dataset_and_a_resumed_epoch_
     every 4 steps, a fault after step 14. Epoch 0: the workers' rows are disjoint and cover the
     Dataset. The retried attempt resumes at step 12 (epoch 1, 4 batches in): it trains steps 13-16
     on epoch 1 read from its first rows again, so it trains the rows epoch 1's first 4 steps had
-    trained, and the run ends at step 16. The eval split, the same Dataset, is evaluated whole."""
+    trained, and the run ends at step 16. The eval split, the same Dataset, is evaluated whole.
+    Every batch is collated on the collate-ahead thread, not the loop's."""
     log = tmp_path / "log"
     log.mkdir()
     result = fit(
@@ -127,6 +132,8 @@ def test_two_workers_train_disjoint_shards_of_a_ray_dataset_and_a_resumed_epoch_
     )
     assert result.metrics["step"] == 16
     assert result.metrics["eval_x"] == pytest.approx(ROWS / 2)  # the mean of id + 0.5: each eval row once
+    collated_on = (tmp_path / "collated_on").read_text().split()
+    assert set(collated_on) == {"collate-ahead"} and len(collated_on) >= 16 + 2 * ROWS // 16, collated_on[:5]
     trained = _trained(log)
     first = {pid: b for pid, b in trained.items() if any(epoch == 0 for epoch, _, _ in b)}
     second = {pid: b for pid, b in trained.items() if pid not in first}

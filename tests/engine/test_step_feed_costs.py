@@ -169,11 +169,19 @@ def test_a_cuda_worker_pins_parquet_and_map_style_batches_and_the_copy_ahead_is_
     assert list(copied_ahead(iter(groups), torch.device("cpu"))) == groups
 
 
-def test_a_split_read_here_is_collated_ahead_on_a_thread_at_most_prefetch_batches_ahead(tmp_path):
-    """A Parquet split without ``preprocess`` is read, cut and collated (pinned on CUDA) on a
-    thread, ``data.prefetch_batches`` batches ahead of the loop, which takes the same batches in
-    the same order as when its own thread does it all (``prefetch_batches=0``); a stream closed
-    early ends that thread, and an error in ``collate`` is raised in the loop."""
+class _Preprocessed(LMTask):
+    """The lm task with a ``preprocess`` that passes its rows on as they are."""
+
+    def preprocess(self, batch, train):
+        return batch
+
+
+def test_a_split_is_collated_ahead_on_a_thread_at_most_prefetch_batches_ahead(tmp_path):
+    """A Parquet split is read, cut and collated (pinned on CUDA) on a thread,
+    ``data.prefetch_batches`` batches ahead of the loop, which takes the same batches in the same
+    order as when its own thread does it all (``prefetch_batches=0``); so is one through
+    ``preprocess``; a stream closed early ends the threads, and an error in ``collate`` is raised
+    in the loop."""
     config = load_config(resolve("lm_gpt"), [*TINY, f"data.dir={tmp_path / 'data'}"])
     task, splits, rows = prepare(config, None)
     collate, threads = task.collate, []
@@ -195,6 +203,13 @@ def test_a_split_read_here_is_collated_ahead_on_a_thread_at_most_prefetch_batche
     assert set(threads) == {"collate-ahead"} and len(threads) == len(here)
     for got, want in zip(ahead, here, strict=True):
         assert all(torch.equal(got[i], want[i]) for i in (0, 1, 3)) and got[2] == want[2]
+
+    # A split through ``preprocess`` (here in the process, as local mode runs it): the same.
+    passed = _Preprocessed(**config.task.params)
+    passed.collate = recorded
+    threads.clear()
+    through = list(Batches(passed, config, splits, rows, 0, 1, "cpu", preprocessed_here).batches("train", 0))
+    assert set(threads) == {"collate-ahead"} and [b[2] for b in through] == [b[2] for b in here]
 
     threads.clear()
     stream = iter(source.batches("train", 0))
