@@ -38,7 +38,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,10 +361,26 @@ def sliced(fetched: Iterable[dict[str, Any]], size: int, collate, drop_last: boo
         close(fetched)  # this stream closed (its epoch ended, whatever the reason): so is what it reads
 
 
-def prefetched(items: Iterable[Any], depth: int, name: str = "parquet-prefetch") -> Iterator[Any]:
+CLOSE_S = 2.0
+"""The longest a stream made on a thread (:func:`prefetched`) waits, when it is closed, for that
+thread to end; a thread still busy then (a window's read from a slow store, a Dataset's next batch
+that does not come) ends on its own, making nothing more and closing what it reads."""
+
+
+def prefetched(
+    items: Iterable[Any],
+    depth: int,
+    name: str = "parquet-prefetch",
+    *,
+    waiting: threading.Event | None = None,
+    interrupt: Callable[[], None] | None = None,
+) -> Iterator[Any]:
     """``items`` produced on a background thread (``name``), at most ``depth`` ahead (0: in the
     caller's thread). pyarrow reads and decodes without holding the GIL, so the step runs
-    meanwhile. An error in the thread is raised in the caller."""
+    meanwhile. An error in the thread is raised in the caller. ``waiting`` is set while the caller
+    waits for an item (what the thread waits for may bound the caller's waits by it);
+    ``interrupt`` is called when the caller closes the stream while the thread still works (to end
+    what it waits for), and the close then waits for the thread at most :data:`CLOSE_S`."""
     if depth <= 0:
         yield from items
         return
@@ -384,17 +400,33 @@ def prefetched(items: Iterable[Any], depth: int, name: str = "parquet-prefetch")
         finally:
             close(items)  # its open files, in this thread that iterated it
 
+    if waiting is not None:
+        waiting.clear()  # the caller is not waiting yet
     thread = threading.Thread(target=fill, name=name, daemon=True)
     thread.start()
     try:
-        while (item := q.get()) is not done:
+        while (item := _take(q, waiting)) is not done:
             if isinstance(item, BaseException):
                 raise item
             yield item
     finally:
         stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
+        if interrupt is not None and thread.is_alive():
+            interrupt()
+        deadline = time.monotonic() + CLOSE_S
+        while thread.is_alive() and time.monotonic() < deadline:  # unblock a producer waiting on a full queue
             try:
                 q.get_nowait()
             except queue.Empty:
                 thread.join(0.05)
+
+
+def _take(q: queue.Queue, waiting: threading.Event | None) -> Any:
+    """The next item of ``q``, ``waiting`` set while it is waited for."""
+    if waiting is None:
+        return q.get()
+    waiting.set()
+    try:
+        return q.get()
+    finally:
+        waiting.clear()

@@ -149,14 +149,22 @@ class Batches:
             fetched = self.preprocessing(self.task, self.data, plan, index, start_row, (self.seed, epoch), train, ahead)
         else:  # read here, one window ahead on a thread (pyarrow releases the GIL)
             fetched = prefetched(_read(index, plan, start_row), min(1, self.data.prefetch_batches))
-        return self._ahead(sliced(fetched, size, collate, drop_last=train))
+        return self._ahead(sliced(fetched, size, collate, drop_last=train), fetched)
 
-    def _ahead(self, batches: Iterable[Any]) -> Iterator[Any]:
+    def _ahead(self, batches: Iterable[Any], rows: Any = None) -> Iterator[Any]:
         """``batches`` made (cut, collated, pinned, and what they wait for: a window's read, a Ray
         Data execution's next block) on a thread of their own, ``data.prefetch_batches`` ahead, so
         that the loop's thread only takes them while the device runs (docs/data.md, "Batches ready
-        ahead"); 0: made in the loop's thread."""
-        return prefetched(batches, self.data.prefetch_batches, name="collate-ahead")
+        ahead"); 0: made in the loop's thread. ``rows`` (what the batches are cut from) may say when
+        the loop waits (``wanted``: an execution's bounds count then) and how to end the thread's
+        wait when the loop closes the stream (``interrupt``)."""
+        return prefetched(
+            batches,
+            self.data.prefetch_batches,
+            name="collate-ahead",
+            waiting=getattr(rows, "wanted", None),
+            interrupt=getattr(rows, "interrupt", None),
+        )
 
     def record(self, position: Position) -> dict[str, Any]:
         """What a checkpoint records of this worker's data at the loop's ``position``: the epoch,

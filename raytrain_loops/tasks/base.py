@@ -117,7 +117,10 @@ class Task:
         it once in its own process. Not overridden: preprocessing runs in Ray tasks."""
 
     def collate(self, batch: dict[str, np.ndarray]) -> Any:
-        """Turn a Parquet batch (column name -> NumPy array) into what the criterion takes."""
+        """Turn a Parquet batch (column name -> NumPy array) into what the criterion takes. It runs
+        on a thread of its own, ahead of the loop (``data.prefetch_batches``): draw no random
+        numbers here (the loop's own draws would interleave with them); a row's randomness comes
+        from its seed, in :meth:`preprocess`."""
         return {k: torch.as_tensor(v) for k, v in batch.items()}
 
     def criterion(self, model: nn.Module, batch: Any, ctx: StepContext) -> LossOutput:

@@ -72,12 +72,22 @@ def _available_by_node() -> dict[str, dict[str, float]]:
         return {}
 
 
+POLL_S = 0.05
+"""How often a wait in :meth:`Execution.next` looks whether it was interrupted."""
+
+
 class Execution:
     """``dataset``'s blocks (column name -> NumPy array) in order, read by a thread into a queue
-    of ``depth`` blocks while the step runs; :meth:`next` waits under ``starvation``'s bounds."""
+    of ``depth`` blocks while the step runs; :meth:`next` waits under ``starvation``'s bounds,
+    counted while ``wanted`` is set: always, unless the blocks are taken on a thread that works
+    ahead of the loop, which sets it while the loop waits for that thread (a wait of the thread
+    while the loop evaluates is not the loop's). :meth:`interrupt` ends a wait at once."""
 
     def __init__(self, dataset: Any, starvation: Starvation, depth: int = 1):
         self.dataset, self.starvation = dataset, starvation
+        self.wanted = threading.Event()
+        self.wanted.set()
+        self._interrupted = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._read_all = threading.Event()  # every block read: no task left to kill
@@ -102,26 +112,39 @@ class Execution:
                 self._queue.put(err)
 
     def next(self) -> dict[str, Any] | None:
-        """The next block, or None at the execution's end."""
-        s, start = self.starvation, time.monotonic()
+        """The next block, or None at the execution's end, once it is closed, or once a wait is
+        :meth:`interrupt` -ed (the block is then left for the next call)."""
+        s, waited, last = self.starvation, 0.0, time.monotonic()
         while True:
-            waited = time.monotonic() - start
+            if self._interrupted.is_set() or self._stop.is_set():
+                return None
+            now = time.monotonic()
+            waited += now - last if self.wanted.is_set() else 0.0
+            last = now
             if waited >= s.timeout_s:
                 self.close()
                 raise TimeoutError(f"{s.detail(waited)} (data.preprocess.timeout_s={s.timeout_s:g})")
-            limit = s.timeout_s if s.warned else s.warn_after_s
+            if not s.warned and waited >= s.warn_after_s:
+                s.warned = True
+                s.say(f"preprocessing: {s.detail(waited)}")
             try:
-                item = self._queue.get(timeout=max(0.01, min(limit - waited, 1.0)))
+                item = self._queue.get(timeout=POLL_S)
             except queue.Empty:
-                if not s.warned and time.monotonic() - start >= s.warn_after_s:
-                    s.warned = True
-                    s.say(f"preprocessing: {s.detail(time.monotonic() - start)}")
                 continue
             if item is _DONE:
                 return None
             if isinstance(item, BaseException):
                 raise item
             return item
+
+    def interrupt(self) -> None:
+        """End the wait of a :meth:`next` call now, and of the calls after it until :meth:`resume`
+        (a reader that closed its stream while its thread waited for a block)."""
+        self._interrupted.set()
+
+    def resume(self) -> None:
+        """Let :meth:`next` wait again (a new stream of the same execution)."""
+        self._interrupted.clear()
 
     def close(self) -> None:
         """End the execution now: its tasks cancelled, the thread ended."""

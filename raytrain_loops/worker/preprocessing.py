@@ -13,6 +13,7 @@ bounded in bytes, so a window is never one object.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +43,7 @@ EPOCH = "_feed_epoch"
 
 PREPROCESSED_ON: Counter[str] = Counter()
 """Rows preprocessed for this worker process, per node: recorded in every checkpoint's rank file."""
+_COUNTING = threading.Lock()  # the train and an evaluation's streams count from their own threads
 
 STORE_SHARE = 0.25
 """The budget's default (``data.preprocess.memory_gb=0``): this fraction of the cluster's object store."""
@@ -244,6 +246,7 @@ class _Stream:
 
     def epoch(self, epoch: int) -> Iterator[dict[str, Any]]:
         """The rows of ``epoch`` left in this stream (those of an earlier epoch not read are dropped)."""
+        self.execution.resume()  # the stream before this one may have interrupted a wait as it closed
         while True:
             block = self._held if self._held is not None else self.execution.next()
             self._held = None
@@ -257,7 +260,8 @@ class _Stream:
                 return
             block.pop(EPOCH)
             node = block.pop(NODE)
-            PREPROCESSED_ON[str(node[0])] += len(node)
+            with _COUNTING:
+                PREPROCESSED_ON[str(node[0])] += len(node)
             # Read-only views of the object store: copied, so that collate may write in place as it can locally.
             yield {k: v if v.flags.writeable else v.copy() for k, v in block.items()}
 
@@ -292,7 +296,7 @@ class RayPreprocessing:
             work = _Work(task.preprocessing_copy(), index, epoch, plan, None, seed, p.batch_rows, train)
             units = [(epoch, w, s) for w, s in feed_units(plan, start_row)]
             stream = _Stream(self._start(work, units, p, share * EVAL_SHARE), units)
-            return _ended(stream.epoch(epoch), stream.execution)
+            return _Rows(_ended(stream.epoch(epoch), stream.execution), stream.execution)
         if self._train is None or self._next != (epoch, start_row) or self._ahead != ahead:
             self.close()
             work = _Work(task.preprocessing_copy(), index, epoch, plan, ahead, seed, p.batch_rows, train)
@@ -301,7 +305,7 @@ class RayPreprocessing:
             self._ahead = ahead
         stream = self._train
         self._next = (epoch + 1, 0) if epoch < stream.last_epoch else None
-        return stream.epoch(epoch)
+        return _Rows(stream.epoch(epoch), stream.execution)
 
     @staticmethod
     def _train_units(plan: Plan, start_row: int, epoch: int, ahead: EpochPlans) -> list[tuple[int, int, int]]:
@@ -326,6 +330,21 @@ class RayPreprocessing:
         if self._train is not None:
             self._train.execution.close()
         self._train, self._next = None, None
+
+
+class _Rows:
+    """A stream's rows, with what a thread that reads them ahead of the loop needs of its execution:
+    ``wanted``, set while the loop waits (the starvation bounds count then), and ``interrupt``, to
+    end the thread's wait when the loop closes the stream."""
+
+    def __init__(self, rows: Iterator[dict[str, Any]], execution: Execution):
+        self.rows, self.wanted, self.interrupt = rows, execution.wanted, execution.interrupt
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.rows
+
+    def close(self) -> None:
+        close(self.rows)
 
 
 def _ended(rows: Iterator[dict[str, Any]], execution: Execution) -> Iterator[dict[str, Any]]:

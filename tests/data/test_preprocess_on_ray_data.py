@@ -6,6 +6,7 @@ second when its stream closes."""
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from raytrain_loops import LossOutput, ParquetSplit, Task, fit
+from raytrain_loops.config import load_config
 from raytrain_loops.config.run import DataConfig, PreprocessConfig
 from raytrain_loops.data.parquet import ROW_SEED, index_split, train_plan
-from raytrain_loops.runtime.batches import EpochPlans, preprocessed_here
+from raytrain_loops.runtime.batches import Batches, EpochPlans, preprocessed_here
 from raytrain_loops.worker.preprocessing import EVAL_SHARE, TASK_ROWS, block_bytes, unit_groups
 
 WIDE = 25_600
@@ -241,6 +243,71 @@ def test_a_stream_closed_early_ends_its_execution_within_a_second(ray_session, t
     print(f"closed in {closed_in * 1000:.0f} ms; {len(starts)} calls of 128 started")
     assert closed_in < 1.0
     assert max(starts) < closed_at and len(starts) < 1024 // 8
+
+
+class _Released:
+    """Stands for the Ray Dataset of an execution whose blocks come when the test releases them."""
+
+    def __init__(self):
+        self.blocks: queue.Queue = queue.Queue()
+
+    def iter_batches(self, **_):
+        while (block := self.blocks.get()) is not None:
+            yield block
+
+
+def _block(ids: range) -> dict[str, np.ndarray]:
+    """A preprocessed block of epoch 0 as a task returns it (its epoch and node columns)."""
+    from raytrain_loops.worker.preprocessing import EPOCH, NODE
+
+    n = len(ids)
+    return {"id": np.asarray(ids), EPOCH: np.zeros(n, np.int64), NODE: np.array(["node"] * n)}
+
+
+@pytest.mark.ray
+def test_the_thread_ahead_counts_a_wait_only_while_the_loop_waits_and_a_close_interrupts_it(ray_session, tmp_path):
+    """A preprocessed split's batches made on the collate-ahead thread, from an execution whose
+    blocks the test releases. While the loop does not ask (a long step, an evaluation), the
+    thread's wait for a block is not the loop's: no bound counts it. Once the loop waits, the
+    console line comes after ``warn_after_s`` and the error after ``timeout_s``, raised in the
+    loop. A stream closed while its thread waits returns at once (the wait interrupted), and the
+    block released after it is the next stream's."""
+    from raytrain_loops.worker.feed import Execution, Starvation
+    from raytrain_loops.worker.preprocessing import _Rows, _Stream
+
+    _, index, _, _ = _feed_args(tmp_path, 256)
+    config = load_config(None, ["data.batch_size=4", "scaling.num_workers=1"])
+    said: list[str] = []
+    released = _Released()
+    stream = _Stream(Execution(released, Starvation({"CPU": 1.0}, 0.4, 0.8, said.append)), [(0, 0, 0)])
+    source = Batches(_Slow(""), config, {"train": ParquetSplit("", ["id"], index)}, {"train": 256}, 0, 1, None,
+                     lambda *_: _Rows(stream.epoch(0), stream.execution))  # fmt: skip
+    batches = iter(source.batches("train", 0))
+    released.blocks.put(_block(range(8)))
+    assert next(batches)["id"].tolist() == [0, 1, 2, 3]
+    time.sleep(1.2)  # the thread waits for a block all along; the loop does not
+    assert said == [] and next(batches)["id"].tolist() == [4, 5, 6, 7]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no preprocessed rows for 1 s.*\(data.preprocess.timeout_s=0.8\)"):
+        next(batches)
+    assert 0.8 <= time.monotonic() - started < 2.0
+    assert len(said) == 1 and said[0].startswith("preprocessing: no preprocessed rows for 0 s: each ")
+
+    said.clear()
+    stream = _Stream(Execution(released := _Released(), Starvation({"CPU": 1.0}, 30, 60, said.append)), [(0, 0, 0)])
+    batches = iter(source.batches("train", 0))
+    released.blocks.put(_block(range(4)))
+    assert next(batches)["id"].tolist() == [0, 1, 2, 3]
+    time.sleep(0.2)  # the thread now waits for the next block
+    started = time.monotonic()
+    batches.close()
+    assert time.monotonic() - started < 0.5
+    assert not [t for t in threading.enumerate() if t.name == "collate-ahead"]
+    released.blocks.put(_block(range(4, 8)))
+    batches = iter(source.batches("train", 0))
+    assert next(batches)["id"].tolist() == [4, 5, 6, 7]
+    batches.close()
+    stream.execution.close()
 
 
 class _Ids(Task):
