@@ -389,16 +389,20 @@ def prefetched(
     stop = threading.Event()
 
     def fill() -> None:
+        ended = False
         try:
             for item in items:
                 q.put(item)
                 if stop.is_set():  # closed while this waited for room: nothing more is made
                     return
+            ended = True
+            close(items)  # before the end is handed over: an error closing is the caller's too
             q.put(done)
         except BaseException as err:  # handed to the consumer, raised there
             q.put(err)
         finally:
-            close(items)  # its open files, in this thread that iterated it
+            if not ended:
+                close(items)  # its open files, in this thread that iterated it
 
     if waiting is not None:
         waiting.clear()  # the caller is not waiting yet

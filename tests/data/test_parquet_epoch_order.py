@@ -162,7 +162,7 @@ def test_row_seeds_follow_the_row_not_the_worker_or_the_epochs_position(split):
     assert row_seeds(0, 0, np.array([[0, 0, 5, 7]])).dtype == np.uint64
 
 
-def test_a_read_error_on_the_prefetch_thread_is_raised_in_the_caller():
+def test_a_read_error_on_the_prefetch_thread_is_raised_in_the_caller_as_is_one_closing_it():
     def failing():
         yield 1
         raise OSError("disk gone")
@@ -170,6 +170,15 @@ def test_a_read_error_on_the_prefetch_thread_is_raised_in_the_caller():
     got = prefetched(failing(), 1)
     assert next(got) == 1
     with pytest.raises(OSError, match="disk gone"):
+        next(got)
+
+    class ClosingFails(list):  # read to its end, then its close fails (a file that will not close)
+        def close(self):
+            raise OSError("flush failed")
+
+    got = prefetched(ClosingFails([1]), 1)
+    assert next(got) == 1
+    with pytest.raises(OSError, match="flush failed"):
         next(got)
 
 
