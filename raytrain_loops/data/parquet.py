@@ -392,14 +392,13 @@ def prefetched(
         ended = False
         try:
             for item in items:
-                q.put(item)
-                if stop.is_set():  # closed while this waited for room: nothing more is made
+                if not _put(q, item, stop) or stop.is_set():  # closed: nothing more is made
                     return
             ended = True
             close(items)  # before the end is handed over: an error closing is the caller's too
-            q.put(done)
+            _put(q, done, stop)
         except BaseException as err:  # handed to the consumer, raised there
-            q.put(err)
+            _put(q, err, stop)
         finally:
             if not ended:
                 close(items)  # its open files, in this thread that iterated it
@@ -423,6 +422,18 @@ def prefetched(
                 q.get_nowait()
             except queue.Empty:
                 thread.join(0.05)
+
+
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """``item`` put in ``q`` once it has room, unless ``stop`` is set first (False): a thread that
+    outlived its caller's close never waits for room that no one makes."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _take(q: queue.Queue, waiting: threading.Event | None) -> Any:
