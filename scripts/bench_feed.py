@@ -293,6 +293,11 @@ def flops_per_token(task: LMTask, batch) -> float:
     return counter.get_total_flops() / batch[2]
 
 
+def _steady(rates: list[float]) -> float:
+    """The median of the passes after the first (a cold one), or the one pass."""
+    return statistics.median(rates[1:]) if len(rates) > 1 else rates[0]
+
+
 def data_part(args, tmp: Path) -> dict:
     """The Parquet path's tokens/s on one core at the recipe's full shapes and vocabulary."""
     import pyarrow
@@ -320,8 +325,7 @@ def data_part(args, tmp: Path) -> dict:
                 walls.append(tokens / (time.perf_counter() - start))
     per_token = flops_per_token(task, batch)
     need = {mfu: mfu * H100_BF16_TFLOPS * 1e12 / per_token for mfu in (0.35, 0.45)}
-    steady = statistics.median(rates[1:]) if len(rates) > 1 else rates[0]
-    steady_inline = statistics.median(baseline[1:]) if len(baseline) > 1 else baseline[0]
+    steady, steady_inline = _steady(rates), _steady(baseline)
     print(
         f"\nthe lm path, read plus collate on one core ({args.data_tokens:,} tokens, vocab {task.vocab}, "
         f"{task.max_tokens // task.max_len} x {task.max_len} a batch), tokens per CPU-second: first pass "

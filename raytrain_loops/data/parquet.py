@@ -392,7 +392,8 @@ def prefetched(
         ended = False
         try:
             for item in items:
-                if not _put(q, item, stop) or stop.is_set():  # closed: nothing more is made
+                _put(q, item, stop)
+                if stop.is_set():  # closed, while this waited for room or before: nothing more is made
                     return
             ended = True
             close(items)  # before the end is handed over: an error closing is the caller's too
@@ -424,16 +425,15 @@ def prefetched(
                 thread.join(0.05)
 
 
-def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    """``item`` put in ``q`` once it has room, unless ``stop`` is set first (False): a thread that
-    outlived its caller's close never waits for room that no one makes."""
+def _put(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """``item`` put in ``q`` once it has room, unless ``stop`` is set first: a thread that outlived
+    its caller's close never waits for room that no one makes."""
     while not stop.is_set():
         try:
             q.put(item, timeout=0.1)
-            return True
+            return
         except queue.Full:
             continue
-    return False
 
 
 def _take(q: queue.Queue, waiting: threading.Event | None) -> Any:
